@@ -1,0 +1,1 @@
+"""Tandem services: sampler, trainer, inference, and the `tandem` command line."""

@@ -1,0 +1,203 @@
+"""Async client for the sampler API, for trainers and scripts.
+
+`get_batch` long-polls through 204s, so a caller simply awaits the batch; it retries
+transport errors and 5xx answers with capped exponential backoff, and turns the
+statuses that need a decision into exceptions: 409 `BatchNotReady` (post a newer
+version first), 410 `BatchTrimmed`, 401 `Unauthorized`, 4xx `SamplerRequestError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from shared import codec
+from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
+
+log = logging.getLogger("tandem.client")
+
+
+class SamplerError(RuntimeError):
+    """Base class of every error the client raises."""
+
+
+class SamplerRequestError(SamplerError):
+    def __init__(self, status: int, detail: Any, what: str):
+        self.status = status
+        self.detail = detail
+        super().__init__(f"{what}: HTTP {status}: {detail}")
+
+
+class BatchNotReady(SamplerRequestError):
+    """409: batch N cannot become ready until a newer weights version is published."""
+
+    @property
+    def required_version(self) -> int | None:
+        if isinstance(self.detail, dict):
+            return self.detail.get("required_version")
+        return None
+
+
+class BatchTrimmed(SamplerRequestError):
+    """410: the batch was trimmed from the sampler's retention window."""
+
+
+class VersionConflict(SamplerRequestError):
+    """409 on POST /weights_version: versions only move forward."""
+
+
+class Unauthorized(SamplerRequestError):
+    """401: the sampler requires `Authorization: Bearer <api_token>`."""
+
+
+class SamplerUnavailable(SamplerError):
+    """The sampler could not be reached (or kept failing) for longer than `retry_for` seconds."""
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    return body.get("detail", body) if isinstance(body, dict) else body
+
+
+class SamplerClient:
+    """`async with SamplerClient("http://127.0.0.1:8100") as client: batch = await client.get_batch(0)`"""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_token: str | None = None,
+        poll_timeout: float = 30.0,
+        retry_for: float = 120.0,
+        msgpack: bool = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.poll_timeout = poll_timeout
+        self.retry_for = retry_for
+        self.msgpack = msgpack
+        headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+        # The read timeout must outlast the server-side long-poll, or every poll would fail.
+        timeout = httpx.Timeout(10.0, read=poll_timeout + 30.0)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+        )
+
+    async def __aenter__(self) -> SamplerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+        """Send one request, retrying transport errors and 5xx until `retry_for` runs out."""
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.1
+        while True:
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 500:
+                    return response
+                failure = f"HTTP {response.status_code}: {_detail(response)}"
+            if time.monotonic() + delay > deadline:
+                raise SamplerUnavailable(
+                    f"{what}: sampler at {self.base_url} kept failing for {self.retry_for:.0f}s; "
+                    f"last error: {failure}"
+                )
+            log.warning("%s failed (%s); retrying in %.1fs", what, failure, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def get_batch(
+        self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
+    ) -> Batch:
+        """Wait for batch `step` (this rank's share); `timeout` bounds the total wait."""
+        data = await self.get_batch_raw(step, rank, world_size, timeout=timeout)
+        return Batch.model_validate(data)
+
+    async def get_batch_raw(
+        self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Like `get_batch`, but returns the decoded body without model validation (faster)."""
+        what = f"GET /batch step={step} rank={rank}/{world_size}"
+        headers = {"Accept": codec.MSGPACK if self.msgpack else codec.JSON}
+        give_up = None if timeout is None else time.monotonic() + timeout
+        while True:
+            poll = self.poll_timeout
+            if give_up is not None:
+                poll = min(poll, max(0.0, give_up - time.monotonic()))
+            params = {"step": step, "timeout": poll, "rank": rank, "world_size": world_size}
+            response = await self._request("GET", "/batch", what, params=params, headers=headers)
+            status = response.status_code
+            if status == 200:
+                return codec.decode(response.headers.get("content-type"), response.content)
+            if status == 204:
+                if give_up is not None and time.monotonic() >= give_up:
+                    raise TimeoutError(f"{what}: batch not sealed within {timeout}s")
+                continue
+            self._raise(response, what)
+
+    async def publish_weights(self, version: int, checkpoint_path: str | None = None) -> WeightsVersion:
+        what = f"POST /weights_version version={version}"
+        body = {"version": version, "checkpoint_path": checkpoint_path}
+        response = await self._request("POST", "/weights_version", what, json=body)
+        if response.status_code == 409:
+            raise VersionConflict(409, _detail(response), what)
+        if response.status_code != 200:
+            self._raise(response, what)
+        return WeightsVersion.model_validate(response.json())
+
+    async def weights_version(self) -> WeightsVersion:
+        response = await self._request("GET", "/weights_version", "GET /weights_version")
+        if response.status_code != 200:
+            self._raise(response, "GET /weights_version")
+        return WeightsVersion.model_validate(response.json())
+
+    async def start_eval(self, num_examples: int | None = None, env: str | None = None, **extra: Any) -> str:
+        body = {"num_examples": num_examples, "env": env, **extra}
+        response = await self._request("POST", "/eval", "POST /eval", json=body)
+        if response.status_code != 202:
+            self._raise(response, "POST /eval")
+        return EvalAccepted.model_validate(response.json()).eval_id
+
+    async def wait_eval(self, eval_id: str, timeout: float | None = None) -> EvalResult:
+        """Long-poll until the eval is done or failed; `timeout` bounds the total wait."""
+        what = f"GET /eval/{eval_id}"
+        give_up = None if timeout is None else time.monotonic() + timeout
+        while True:
+            poll = self.poll_timeout
+            if give_up is not None:
+                poll = min(poll, max(0.0, give_up - time.monotonic()))
+            response = await self._request("GET", f"/eval/{eval_id}", what, params={"timeout": poll})
+            if response.status_code != 200:
+                self._raise(response, what)
+            result = EvalResult.model_validate(response.json())
+            if result.status in ("done", "failed"):
+                return result
+            if give_up is not None and time.monotonic() >= give_up:
+                raise TimeoutError(f"{what}: eval still {result.status} after {timeout}s")
+
+    async def status(self) -> dict[str, Any]:
+        response = await self._request("GET", "/status", "GET /status")
+        if response.status_code != 200:
+            self._raise(response, "GET /status")
+        return response.json()
+
+    @staticmethod
+    def _raise(response: httpx.Response, what: str) -> None:
+        status, detail = response.status_code, _detail(response)
+        kind = {409: BatchNotReady, 410: BatchTrimmed, 401: Unauthorized}.get(status, SamplerRequestError)
+        raise kind(status, detail, what)

@@ -1,0 +1,114 @@
+"""Pydantic models for every HTTP body of the sampler API (DESIGN section 3).
+
+Field names here are the public contract. Models allow extra fields so that a newer
+sampler can add metadata without breaking an older trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length", "abort"]
+EvalStatus = Literal["pending", "running", "done", "failed"]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Sample(_Open):
+    """One completion, ready to train on."""
+
+    prompt_id: str
+    group_id: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float] = Field(
+        description="behaviour-policy logprob of each completion token"
+    )
+    loss_mask: list[int] = Field(description="1 where the token is trained on, one per completion token")
+    reward: float
+    rewards: dict[str, float] = Field(default_factory=dict)
+    advantage: float
+    policy_version: int = Field(description="oldest weights version that produced any token")
+    finish_reason: FinishReason
+    use_count: int = 1
+
+
+class BatchStats(_Open):
+    num_samples: int = 0
+    num_groups: int = 0
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
+    staleness_min: int = 0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    rewards_mean: dict[str, float] = Field(default_factory=dict)
+    completion_tokens_mean: float = 0.0
+    finish_reasons: dict[str, int] = Field(default_factory=dict)
+    policy_versions: dict[str, int] = Field(default_factory=dict)
+    generation_started_at: float | None = None
+    sealed_at: float | None = None
+    generation_seconds: float | None = None
+
+
+class Batch(_Open):
+    step: int
+    samples: list[Sample]
+    stats: BatchStats = Field(default_factory=BatchStats)
+
+
+class WeightsVersionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0, description="weights version: number of optimizer updates applied")
+    checkpoint_path: str | None = Field(
+        default=None,
+        description="HF-format checkpoint directory the sampler loads into every inference "
+        "server; null when the trainer already pushed the weights itself",
+    )
+
+
+class ServerVersion(_Open):
+    url: str
+    version: int | None = None
+    healthy: bool = True
+    error: str | None = None
+    last_sync_seconds: float | None = None
+
+
+class WeightsVersion(_Open):
+    version: int
+    checkpoint_path: str | None = None
+    servers: list[ServerVersion] = Field(default_factory=list)
+    min_served_version: int | None = None
+
+
+class EvalRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_examples: int | None = Field(default=None, ge=1, le=100_000)
+    env: str | None = None
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    seed: int | None = None
+
+
+class EvalAccepted(BaseModel):
+    eval_id: str
+
+
+class EvalResult(_Open):
+    eval_id: str
+    status: EvalStatus
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    request: dict[str, Any] | None = None
+    created_at: float | None = None
+    finished_at: float | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
