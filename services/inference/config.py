@@ -1,0 +1,57 @@
+"""Inference settings (DESIGN sections 1 and 5): one pydantic-settings class for both backends.
+
+`backend = "cpu"` serves `model` with the in-process CPU server (`services.inference.server`);
+`backend = "vllm"` launches `vllm serve` with the flags Tandem relies on
+(`services.inference.vllm_launcher`). Importing this module imports neither torch nor vllm.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from shared.settings import TandemSettings
+
+
+class InferenceSettings(TandemSettings):
+    """An inference server speaking vLLM's HTTP API: the CPU server or `vllm serve`."""
+
+    section: ClassVar[str] = "inference"
+
+    port: int = 8000
+    model: str | None = Field(default=None, description="HF model directory (or a hub id, vLLM only)")
+    backend: Literal["cpu", "vllm"] = Field(default="cpu", description="cpu: built-in server; vllm: vllm serve")
+    served_model_name: str | None = Field(
+        default=None, description="model id in the API; unset = the --model string, as vLLM does"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="prompt + completion tokens; unset = the model's max_position_embeddings"
+    )
+    max_num_seqs: int = Field(default=256, ge=1, description="sequences generated in one batch at most")
+    weight_version: str = Field(default="0", description="initial weight-version label (/weight_info)")
+    seed: int = Field(default=0, description="engine seed for requests that give none")
+    # CPU backend only.
+    torch_threads: int | None = Field(default=None, ge=1, description="CPU backend: torch intra-op threads")
+    # vLLM backend only.
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    dtype: str = Field(default="auto", description="vLLM --dtype")
+    extra_args: str = Field(default="", description="more `vllm serve` arguments, shell-quoted")
+    startup_timeout: float = Field(
+        default=900.0, gt=0, description="vllm backend: seconds to wait for /health before giving up"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "InferenceSettings":
+        if not self.model:
+            raise ValueError(
+                "model is required: an HF model directory, e.g. one written by "
+                "`tandem init-model --preset tiny --out DIR`"
+            )
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model  # type: ignore[return-value]
