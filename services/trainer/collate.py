@@ -1,0 +1,134 @@
+"""Turn a batch's samples into right-padded tensors, split into micro-batches.
+
+Layout of one micro-batch of B samples, L = longest prompt + completion:
+
+* `input_ids`, `attention_mask` [B, L]: prompt then completion, right-padded.
+* The completion is scored from the logits of the positions that predict it: token
+  j of sequence i is predicted by position j - 1. Only the window of positions
+  `[start, L - 1)` with `start` = (shortest prompt) - 1 can predict a completion token,
+  so the per-token tensors cover that window only ([B, T], T = L - 1 - start):
+  `targets` (the next token), `loss_mask` (1 where the token is a completion token whose
+  `loss_mask` is 1), `behaviour_logprobs` (the sampler's `completion_logprobs`).
+* `advantages` [B], `tokens_per_sequence` [B] (loss tokens per sample).
+
+Samples are sorted by length before splitting so micro-batches pad little; the order
+does not change the accumulated gradient (a sum over samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shared.wire import Sample
+
+
+class BatchFormatError(ValueError):
+    """A sample whose fields disagree (lengths of logprobs/mask vs completion)."""
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    start: int
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    tokens_per_sequence: torch.Tensor
+    indices: list[int]  # positions of these samples in the original batch
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens, prompt included: what the forward pass processes."""
+        return int(self.attention_mask.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        moved = {
+            name: (value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value)
+            for name, value in self.__dict__.items()
+        }
+        return MicroBatch(**moved)
+
+
+def validate_sample(sample: Sample, index: int) -> None:
+    n = len(sample.completion_token_ids)
+    if len(sample.completion_logprobs) != n or len(sample.loss_mask) != n:
+        raise BatchFormatError(
+            f"sample {index} (prompt_id {sample.prompt_id!r}) has {n} completion tokens but "
+            f"{len(sample.completion_logprobs)} completion_logprobs and {len(sample.loss_mask)} loss_mask entries"
+        )
+    if not sample.prompt_token_ids:
+        # The first completion token needs a preceding position to be predicted from.
+        raise BatchFormatError(f"sample {index} (prompt_id {sample.prompt_id!r}) has an empty prompt")
+
+
+def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None, pad_token_id: int = 0) -> MicroBatch:
+    """Collate samples into one right-padded micro-batch (see the module docstring)."""
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    indices = list(range(len(samples))) if indices is None else list(indices)
+    for i, s in zip(indices, samples):
+        validate_sample(s, i)
+    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
+    B, L = len(samples), max(lengths)
+    start = min(len(s.prompt_token_ids) for s in samples) - 1
+    T = max(L - 1 - start, 1)
+
+    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    targets = torch.full((B, T), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    behaviour = torch.zeros((B, T), dtype=torch.float32)
+    for row, s in enumerate(samples):
+        ids = list(s.prompt_token_ids) + list(s.completion_token_ids)
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+        # Completion token k sits at position P + k and is predicted at P + k - 1,
+        # i.e. window column P + k - 1 - start.
+        P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
+        if C:
+            col = P - 1 - start
+            targets[row, col : col + C] = torch.tensor(s.completion_token_ids, dtype=torch.long)
+            loss_mask[row, col : col + C] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            behaviour[row, col : col + C] = torch.tensor(s.completion_logprobs, dtype=torch.float32)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        start=start,
+        targets=targets,
+        loss_mask=loss_mask,
+        behaviour_logprobs=behaviour,
+        advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32),
+        tokens_per_sequence=loss_mask.sum(-1),
+        indices=indices,
+    )
+
+
+def split_micro_batches(
+    samples: Sequence[Sample], num_micro_batches: int, pad_token_id: int = 0, sort: bool = True
+) -> list[MicroBatch]:
+    """Split `samples` into `num_micro_batches` micro-batches of equal size (the last ones
+    one smaller when the count does not divide), sorted by length when `sort`."""
+    if num_micro_batches < 1:
+        raise ValueError("num_micro_batches must be >= 1")
+    if len(samples) < num_micro_batches:
+        raise ValueError(f"{len(samples)} samples cannot fill {num_micro_batches} micro-batches")
+    order = list(range(len(samples)))
+    if sort:
+        order.sort(key=lambda i: len(samples[i].prompt_token_ids) + len(samples[i].completion_token_ids))
+    base, extra = divmod(len(samples), num_micro_batches)
+    out, at = [], 0
+    for k in range(num_micro_batches):
+        size = base + (1 if k < extra else 0)
+        chunk = order[at : at + size]
+        at += size
+        out.append(collate([samples[i] for i in chunk], chunk, pad_token_id))
+    return out

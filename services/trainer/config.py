@@ -1,0 +1,107 @@
+"""Trainer settings (DESIGN sections 1-2): one pydantic-settings class, section `[trainer]`.
+
+Importing this module never imports torch: `tandem trainer --help` and invalid settings
+answer before the heavy imports. The fixed names from DESIGN (`sampler_url`, `model`,
+`per_device_batch_size`, `grad_accum_steps`, `learning_rate`, `max_steps`, `eval_every`,
+`api_token`) keep their meaning; everything else is the trainer's own.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from shared.settings import TandemSettings
+
+LossType = Literal["grpo", "dapo", "dr_grpo"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class TrainerSettings(TandemSettings):
+    """The GRPO trainer: long-polls /batch, trains, checkpoints, publishes weights."""
+
+    section: ClassVar[str] = "trainer"
+
+    sampler_url: str = Field(default="http://127.0.0.1:8100", description="the sampler's base URL")
+    model: str = Field(default="", description="HF model directory to start from (required)")
+    api_token: str | None = Field(default=None, description="bearer token for the sampler's mutating endpoints")
+
+    # Batch shape: per_device_batch_size * grad_accum_steps * world_size must equal the
+    # sampler's prompts_per_step * num_generations (checked against GET /status at start-up).
+    per_device_batch_size: int = Field(default=8, ge=1, description="samples per micro-batch per rank")
+    grad_accum_steps: int = Field(default=8, ge=1, description="micro-batches per optimizer step per rank")
+    max_steps: int = Field(default=100, ge=0, description="train until this many optimizer steps exist (absolute, resume-safe)")
+
+    # Optimisation.
+    learning_rate: float = Field(default=1e-5, gt=0)
+    warmup_steps: int = Field(default=0, ge=0, description="linear learning-rate warm-up from 0")
+    weight_decay: float = Field(default=0.0, ge=0)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    max_grad_norm: float | None = Field(default=1.0, description="gradient clipping; 0 or unset disables")
+    num_iterations: int = Field(default=1, ge=1, description="optimisation passes (mu) over each batch")
+
+    # Loss.
+    loss: LossType = Field(default="grpo", description="grpo: per-sequence mean; dapo: per-token mean; dr_grpo: sum / constant")
+    epsilon_low: float = Field(default=0.2, ge=0, description="lower clip: ratio >= 1 - epsilon_low")
+    epsilon_high: float | None = Field(default=None, description="upper clip: ratio <= 1 + epsilon_high; unset = epsilon_low")
+    tis_cap: float | None = Field(
+        default=2.0,
+        description="truncated importance sampling cap on pi_old/pi_behaviour; 0 or unset disables "
+        "(the clipped ratio is then taken against the behaviour logprobs)",
+    )
+    beta: float = Field(default=0.0, ge=0, description="KL coefficient to the frozen initial model (k3); 0 disables")
+    temperature: float | None = Field(
+        default=None, description="sampling temperature; unset = the sampler's (from GET /status). Must match it."
+    )
+    max_completion_length: int | None = Field(
+        default=None, ge=1, description="Dr. GRPO's constant normaliser; unset = the sampler's max_tokens"
+    )
+
+    # Runtime.
+    dtype: DType = Field(default="auto", description="auto = bfloat16 on CUDA, float32 on CPU")
+    device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N (under torchrun: the local rank's GPU)")
+    seed: int = 0
+    gradient_checkpointing: bool = False
+
+    # Checkpoints, evals, observability.
+    keep_checkpoints: int = Field(default=3, ge=1, description="how many step-N checkpoints to keep")
+    save_optimizer: bool = Field(default=True, description="save AdamW state with each checkpoint (exact resume)")
+    resume: bool = Field(default=True, description="continue from the latest checkpoint in run_dir/checkpoints")
+    eval_every: int = Field(default=0, ge=0, description="start an eval every N steps (0: only before and after)")
+    eval_at_start: bool = True
+    eval_at_end: bool = True
+    eval_examples: int | None = Field(default=None, ge=1, description="examples per eval; unset = the sampler's default")
+    eval_timeout: float = Field(default=1800.0, gt=0, description="seconds to wait for one eval result")
+    batch_timeout: float | None = Field(
+        default=None, gt=0, description="give up when a batch takes longer than this many seconds (unset: wait forever)"
+    )
+    poll_timeout: float = Field(default=30.0, gt=0, description="seconds per /batch long-poll request")
+    tensorboard: bool = Field(default=False, description="also write TensorBoard scalars to run_dir/tensorboard")
+    progress: bool = Field(default=True, description="show a progress display on rank 0")
+
+    @field_validator("max_grad_norm", "tis_cap")
+    @classmethod
+    def _zero_disables(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError("must be >= 0 (0 disables)")
+        return value or None
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerSettings":
+        if not self.model:
+            raise ValueError("model is required: an HF model directory (e.g. from `tandem init-model --preset tiny`)")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError(
+                "temperature must be > 0: training needs the sampling distribution's logprobs, "
+                "and greedy decoding (temperature 0) has none"
+            )
+        if not self.sampler_url.startswith(("http://", "https://")):
+            raise ValueError(f"sampler_url {self.sampler_url!r} is not an http(s) URL")
+        return self
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high

@@ -1,0 +1,45 @@
+"""`tandem trainer`: parse the settings, then import torch and train.
+
+Exit status 0 after `max_steps`; 2 for invalid settings or a batch-shape mismatch with
+the sampler (the message names the numbers). Under `torchrun` every rank runs this
+same command; rank 0 prints the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+from services.trainer.config import TrainerSettings
+from shared.settings import SettingsError, load
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    try:
+        return _main(argv, prog)
+    except SettingsError as exc:
+        # SystemExit with an int code prints nothing by itself: say why before exiting 2.
+        print(f"{prog or 'tandem trainer'}: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None, prog: str | None) -> int:
+    settings = load(TrainerSettings, argv, prog or "tandem trainer")
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [trainer{'' if rank == 0 else f' rank {rank}'}] %(name)s: %(message)s",
+    )
+    from services.trainer.trainer import run  # torch and transformers load only now
+
+    summary = run(settings)
+    if rank == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "evals"}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""One optimizer step on one batch: micro-batching, losses, gradient reduction, clipping.
+
+`Learner.train_on_samples(samples, ...)` is everything the trainer does with a batch
+once it has it, with no HTTP involved, so tests drive it directly:
+
+1. split this rank's samples into `grad_accum_steps` micro-batches (`collate`);
+2. add up the loss normaliser over all micro-batches and (all-reduce) all ranks, so each
+   micro-batch's loss is its partial sum over the *global* normaliser (`loss.py`);
+3. pass 1: forward every micro-batch, keep its logprobs detached as pi_old (and the
+   reference model's logprobs when beta > 0), backward; passes 2..mu reuse pi_old;
+4. after each pass: sum gradients over ranks (all_reduce), clip, AdamW step.
+
+Gradients are summed, not averaged, across ranks, because every rank's loss is
+already divided by the global normaliser.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from services.trainer.collate import MicroBatch, split_micro_batches
+from services.trainer.loss import LOSS_TYPES, loss_normalizer, policy_loss, token_logprobs
+from shared.wire import Sample
+
+log = logging.getLogger("tandem.trainer.learner")
+
+
+@dataclass
+class LossConfig:
+    loss_type: str = "grpo"
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    tis_cap: float | None = 2.0
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_completion_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss {self.loss_type!r}; expected one of {LOSS_TYPES}")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0")
+        if self.loss_type == "dr_grpo" and not self.max_completion_length:
+            raise ValueError("loss dr_grpo needs max_completion_length (the sampler's max_tokens)")
+
+
+def _accepts(model: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_logprobs(model: Any, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Logprobs [B, T] of `mb.targets` under `model`, over the window `mb.start:`."""
+    L = mb.input_ids.shape[1]
+    kwargs: dict[str, Any] = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "use_cache": False}
+    keep = L - mb.start
+    if keep < L and _accepts(model, "logits_to_keep"):
+        # Only positions start..L-1 can predict a completion token: skip the LM head elsewhere.
+        kwargs["logits_to_keep"] = keep
+        logits = model(**kwargs).logits
+    else:
+        logits = model(**kwargs).logits[:, mb.start :]
+    return token_logprobs(logits[:, :-1], mb.targets, temperature)
+
+
+class Learner:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        cfg: LossConfig,
+        *,
+        device: torch.device | str = "cpu",
+        ref_model: Any = None,
+        max_grad_norm: float | None = None,
+        pad_token_id: int = 0,
+        distributed: bool = False,
+        train_mode: bool = False,
+    ):
+        if cfg.beta and ref_model is None:
+            raise ValueError("beta > 0 needs a reference model")
+        self.model = model
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.ref_model = ref_model
+        self.max_grad_norm = max_grad_norm
+        self.pad_token_id = pad_token_id
+        self.distributed = distributed and dist.is_available() and dist.is_initialized()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # Set when gradient checkpointing is on (transformers only checkpoints in train mode).
+        self.train_mode = train_mode
+
+    # -- collectives (no-ops on a single process) ---------------------------------------
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+        return tensor
+
+    def reduce_gradients(self, bucket_bytes: int = 64 << 20) -> None:
+        """Sum every gradient over ranks, in flat buckets (one collective per bucket)."""
+        if not self.distributed:
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for p in self.params:
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= bucket_bytes:
+                self._reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        at = 0
+        for g in grads:
+            g.copy_(flat[at : at + g.numel()].view_as(g))
+            at += g.numel()
+
+    # -- the step -----------------------------------------------------------------------
+
+    def global_normalizer(self, micro_batches: Sequence[MicroBatch]) -> float:
+        local = sum(
+            loss_normalizer(self.cfg.loss_type, mb.tokens_per_sequence, self.cfg.max_completion_length)
+            for mb in micro_batches
+        )
+        total = self._all_reduce(torch.tensor([local], dtype=torch.float64, device=self._collective_device))
+        return float(total.item())
+
+    @property
+    def _collective_device(self) -> torch.device:
+        # NCCL only moves CUDA tensors; gloo wants CPU ones.
+        if self.distributed and dist.get_backend() == "nccl":
+            return self.device
+        return torch.device("cpu")
+
+    def accumulate(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        normalizer: float,
+        old: list[torch.Tensor] | None = None,
+        ref: list[torch.Tensor] | None = None,
+    ) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor] | None]:
+        """Zero the gradients, then forward+backward every micro-batch (one pass).
+
+        Returns local metric sums, pi_old per micro-batch (this pass's logprobs when `old`
+        is None: the first pass, before any update) and the reference logprobs.
+        """
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict(loss=0.0, tokens=0.0, clipped=0.0, is_weight_sum=0.0, is_weight_max=0.0,
+                    is_truncated=0.0, kl_sum=0.0, ratio_sum=0.0, forward_tokens=0.0, logp_sum=0.0,
+                    mismatch_sum=0.0)
+        new_old: list[torch.Tensor] = []
+        new_ref: list[torch.Tensor] | None = [] if cfg.beta else None
+        for k, cpu_mb in enumerate(micro_batches):
+            mb = cpu_mb.to(self.device)
+            ref_k = None
+            if cfg.beta:
+                if ref is not None:
+                    ref_k = ref[k]
+                else:
+                    with torch.no_grad():
+                        ref_k = forward_logprobs(self.ref_model, mb, cfg.temperature)
+                    new_ref.append(ref_k)
+            logp = forward_logprobs(self.model, mb, cfg.temperature)
+            old_k = old[k] if old is not None else logp.detach()
+            new_old.append(old_k)
+            out = policy_loss(
+                logp, old_k, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
+                loss_type=cfg.loss_type, normalizer=normalizer,
+                epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                tis_cap=cfg.tis_cap, beta=cfg.beta, ref=ref_k,
+            )
+            out.loss.backward()
+            with torch.no_grad():
+                mask = mb.loss_mask
+                sums["logp_sum"] += float((logp.detach() * mask).sum())
+                sums["mismatch_sum"] += float(((old_k - mb.behaviour_logprobs).abs() * mask).sum())
+            sums["loss"] += float(out.loss.detach())
+            sums["tokens"] += out.tokens
+            sums["clipped"] += out.clipped
+            sums["is_weight_sum"] += out.is_weight_sum
+            sums["is_weight_max"] = max(sums["is_weight_max"], out.is_weight_max)
+            sums["is_truncated"] += out.is_truncated
+            sums["kl_sum"] += out.kl_sum
+            sums["ratio_sum"] += out.ratio_sum
+            sums["forward_tokens"] += mb.num_tokens
+        return sums, (old if old is not None else new_old), (ref if ref is not None else new_ref)
+
+    def clip_and_step(self, lr: float | None = None) -> float:
+        """Clip the (reduced) gradients, apply AdamW; returns the pre-clip gradient norm."""
+        max_norm = self.max_grad_norm if self.max_grad_norm else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+        return float(norm)
+
+    def train_on_samples(
+        self,
+        samples: Sequence[Sample],
+        *,
+        grad_accum_steps: int,
+        num_iterations: int = 1,
+        lr: float | None = None,
+    ) -> dict[str, float]:
+        """Run `num_iterations` optimizer updates on this rank's `samples`; return global
+        (all-rank) metrics of the first pass plus the last pass's grad norm."""
+        # Eval mode (no dropout) keeps pass-2 ratios free of dropout noise; gradient
+        # checkpointing in transformers only engages in train mode, so it keeps that.
+        self.model.train(self.train_mode)
+        micro_batches = split_micro_batches(samples, grad_accum_steps, self.pad_token_id)
+        normalizer = self.global_normalizer(micro_batches)
+        old = ref = None
+        first: dict[str, float] | None = None
+        grad_norms = []
+        forward_tokens = 0.0
+        for _ in range(num_iterations):
+            sums, old, ref = self.accumulate(micro_batches, normalizer, old, ref)
+            forward_tokens += sums["forward_tokens"]
+            self.reduce_gradients()
+            grad_norms.append(self.clip_and_step(lr))
+            if first is None:
+                first = sums
+            else:
+                # Clipping only happens after the first update; report the later passes' rate.
+                first["clipped_later"] = first.get("clipped_later", 0.0) + sums["clipped"]
+        assert first is not None
+        return self._global_metrics(first, grad_norms, forward_tokens, num_iterations)
+
+    def _global_metrics(self, sums: dict[str, float], grad_norms: list[float],
+                        forward_tokens: float, num_iterations: int) -> dict[str, float]:
+        keys = ["loss", "tokens", "clipped", "clipped_later", "is_weight_sum", "is_truncated",
+                "kl_sum", "ratio_sum", "logp_sum", "mismatch_sum"]
+        dev = self._collective_device
+        total = self._all_reduce(torch.tensor([sums.get(k, 0.0) for k in keys] + [forward_tokens],
+                                              dtype=torch.float64, device=dev))
+        peak = self._all_reduce(torch.tensor([sums["is_weight_max"]], dtype=torch.float64, device=dev),
+                                dist.ReduceOp.MAX if self.distributed else None)
+        t = dict(zip(keys + ["forward_tokens"], total.tolist()))
+        tokens = max(t["tokens"], 1.0)
+        later_tokens = max(t["tokens"] * (num_iterations - 1), 1.0)
+        out = {
+            "loss": t["loss"],
+            "loss_tokens": t["tokens"],
+            "forward_tokens": t["forward_tokens"],
+            "grad_norm": grad_norms[0],
+            "grad_norm_last": grad_norms[-1],
+            "clip_fraction": (t["clipped_later"] / later_tokens) if num_iterations > 1 else t["clipped"] / tokens,
+            "is_weight_mean": t["is_weight_sum"] / tokens,
+            "is_weight_max": float(peak.item()),
+            "is_truncated_fraction": t["is_truncated"] / tokens,
+            "ratio_mean": t["ratio_sum"] / tokens,
+            "logprob_mean": t["logp_sum"] / tokens,
+            "behaviour_mismatch": t["mismatch_sum"] / tokens,
+        }
+        if self.cfg.beta:
+            out["kl"] = t["kl_sum"] / tokens
+        return out

@@ -1,0 +1,503 @@
+"""The trainer loop: batch N from the sampler -> one optimizer step -> checkpoint -> version N+1.
+
+`await train(settings)` (or `run(settings)` from synchronous code) runs until
+`settings.max_steps` optimizer steps exist and returns a summary dict:
+
+    {"steps", "start_step", "final_step", "final_version", "wall_seconds",
+     "wait_seconds", "train_seconds", "trainer_wait_fraction", "staleness_mean",
+     "reward_mean_first", "reward_mean_last", "eval_reward_before", "eval_reward_after",
+     "evals", "last_checkpoint", "metrics_path"}
+
+and writes the same to `run_dir/trainer_summary.json` (rank 0).
+
+Per step N, on every rank:
+  1. `GET /batch?step=N&rank=R&world_size=W` (prefetched during step N-1 when the
+     sampler's max_staleness >= 1, since batch N may then be generated from version N-1);
+  2. `Learner.train_on_samples` (in a worker thread, so evals and the prefetch progress
+     on the event loop meanwhile);
+  3. rank 0 writes `run_dir/checkpoints/step-N` atomically, POSTs `/weights_version`
+     with version N+1 and that path, prunes old checkpoints, appends a metrics line;
+     the other ranks wait at a barrier, so nobody asks for batch N+1 before version N+1
+     is published.
+
+Start-up: GET /status supplies the sampler's batch shape, temperature, max_tokens and
+max_staleness; a batch-shape mismatch stops the trainer with a message naming the
+numbers. With a checkpoint in run_dir/checkpoints (and `resume`), the trainer loads it
+and its optimizer state and continues at step = its version; batches are keyed by step
+on the sampler, so it receives exactly the batches an uninterrupted run would have.
+
+Evals (rank 0): one before training (its result is awaited before the first new
+version is published, so it measures the starting weights), one every `eval_every` steps in the background,
+and one after the last step, awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from services.trainer.config import TrainerSettings
+from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, VersionConflict
+from shared.settings import SettingsError
+from shared.wire import Batch
+
+log = logging.getLogger("tandem.trainer")
+
+REQUIRED_STATUS_KEYS = ("prompts_per_step", "num_generations")
+
+
+def check_batch_shape(per_device_batch_size: int, grad_accum_steps: int, world_size: int,
+                      prompts_per_step: int, num_generations: int) -> int:
+    """Refuse (SettingsError: exit status 2) unless trainer and sampler agree on the batch size."""
+    trainer_side = per_device_batch_size * grad_accum_steps * world_size
+    sampler_side = prompts_per_step * num_generations
+    if trainer_side != sampler_side:
+        hint = ""
+        per_rank = sampler_side / world_size
+        if per_rank == int(per_rank) and int(per_rank) % per_device_batch_size == 0:
+            hint = f"; e.g. --grad-accum-steps {int(per_rank) // per_device_batch_size}"
+        raise SettingsError(
+            "batch shape mismatch: the trainer consumes per_device_batch_size "
+            f"({per_device_batch_size}) x grad_accum_steps ({grad_accum_steps}) x world_size "
+            f"({world_size}) = {trainer_side} samples per step, but the sampler seals "
+            f"prompts_per_step ({prompts_per_step}) x num_generations ({num_generations}) = "
+            f"{sampler_side}; make the two products equal{hint}"
+        )
+    return trainer_side
+
+
+def sampler_config(status: dict[str, Any]) -> dict[str, Any]:
+    config = status.get("config")
+    if not isinstance(config, dict) or any(k not in config for k in REQUIRED_STATUS_KEYS):
+        raise SettingsError(
+            "the sampler's GET /status has no config with prompts_per_step and num_generations; "
+            f"cannot check the batch shape (got keys {sorted(status)})"
+        )
+    return config
+
+
+def resolve_temperature(settings: TrainerSettings, config: dict[str, Any]) -> float:
+    """The trainer must score with the temperature the sampler sampled with."""
+    sampler_t = config.get("temperature")
+    if settings.temperature is None:
+        if sampler_t is None:
+            log.warning("sampler /status does not report a temperature; assuming 1.0")
+            return 1.0
+        if float(sampler_t) <= 0:
+            raise SettingsError(
+                f"the sampler samples with temperature {sampler_t}: greedy decoding has no "
+                "sampling distribution to train on; set the sampler's temperature > 0"
+            )
+        return float(sampler_t)
+    if sampler_t is not None and abs(float(sampler_t) - settings.temperature) > 1e-6:
+        raise SettingsError(
+            f"temperature mismatch: the trainer's --temperature {settings.temperature} differs from the "
+            f"sampler's temperature {sampler_t}; the behaviour logprobs are after the sampler's "
+            "temperature, so leave --temperature unset or make them equal"
+        )
+    return settings.temperature
+
+
+def learning_rate(settings: TrainerSettings, step: int) -> float:
+    """Constant after a linear warm-up; a pure function of the step, so resume needs no state."""
+    if settings.warmup_steps and step < settings.warmup_steps:
+        return settings.learning_rate * (step + 1) / settings.warmup_steps
+    return settings.learning_rate
+
+
+# -- distributed ---------------------------------------------------------------------------
+
+
+class World:
+    """rank / world_size / device, from torchrun's environment (a single process otherwise)."""
+
+    def __init__(self, settings: TrainerSettings):
+        import torch
+        import torch.distributed as dist
+
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and self.world_size > 1:
+            device = f"cuda:{self.local_rank}"
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.owns_group = False
+        if self.world_size > 1 and not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend)
+            self.owns_group = True
+        self.distributed = self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+# -- the loop ------------------------------------------------------------------------------
+
+
+def _torch_dtype(name: str, device: Any) -> Any:
+    import torch
+
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return getattr(torch, name)
+
+
+def load_model(path: str | Path, dtype: Any, device: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device)
+
+
+def batch_stats(batch: Batch, step: int) -> dict[str, float]:
+    """Local sums over this rank's share (reduced across ranks by the caller)."""
+    rewards = [s.reward for s in batch.samples]
+    stale = [step - s.policy_version for s in batch.samples]
+    return {
+        "n": float(len(rewards)),
+        "reward_sum": float(sum(rewards)),
+        "reward_sq": float(sum(r * r for r in rewards)),
+        "stale_sum": float(sum(stale)),
+        "stale_max": float(max(stale, default=0)),
+        "completion_tokens": float(sum(len(s.completion_token_ids) for s in batch.samples)),
+        "truncated": float(sum(s.finish_reason == "length" for s in batch.samples)),
+    }
+
+
+class Trainer:
+    def __init__(self, settings: TrainerSettings, client: SamplerClient | None = None):
+        self.settings = settings
+        self._client = client
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-train")
+        self.evals: list[dict[str, Any]] = []
+        self._eval_tasks: list[asyncio.Task] = []
+
+    async def _in_thread(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # One dedicated thread: torch work and collectives always run on the same thread,
+        # while the event loop keeps serving prefetches and eval polls.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    # -- sampler interaction ------------------------------------------------------------
+
+    async def _fetch(self, step: int, *, not_ready_grace: float = 60.0) -> Batch:
+        """Batch `step` for this rank; a 409 is retried briefly (a publish may be in flight)."""
+        give_up = time.monotonic() + not_ready_grace
+        delay = 0.05
+        while True:
+            try:
+                return await self.client.get_batch(step, self.world.rank, self.world.world_size,
+                                                   timeout=self.settings.batch_timeout)
+            except BatchNotReady as exc:
+                if time.monotonic() > give_up:
+                    raise RuntimeError(
+                        f"batch {step} cannot become ready: {exc.detail}. The trainer has published "
+                        f"version {self.published_version}; the sampler needs a newer one "
+                        "(is another trainer or an old run_dir involved?)"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except BatchTrimmed as exc:
+                raise RuntimeError(
+                    f"batch {step} was trimmed by the sampler ({exc.detail}): the trainer fell behind its "
+                    "retention window (raise the sampler's keep_batches, or start a fresh run_dir)"
+                ) from exc
+
+    async def _publish(self, version: int, path: Path | None) -> None:
+        try:
+            await self.client.publish_weights(version, str(path) if path else None)
+        except VersionConflict as exc:
+            # Already at (or past) this version: a resumed run re-announcing its checkpoint.
+            log.info("sampler already has version >= %d (%s)", version, exc.detail)
+        self.published_version = version
+
+    async def _eval(self, step: int, version: int, label: str) -> dict[str, Any]:
+        started = time.monotonic()
+        record: dict[str, Any] = {"event": "eval", "label": label, "step": step, "version": version}
+        try:
+            eval_id = await self.client.start_eval(num_examples=self.settings.eval_examples)
+            result = await self.client.wait_eval(eval_id, timeout=self.settings.eval_timeout)
+            from services.trainer.metrics import eval_reward
+
+            record.update(eval_id=eval_id, status=result.status, result=result.result,
+                          error=result.error, reward=eval_reward(result.result))
+        except Exception as exc:  # an eval must never take training down
+            log.warning("eval %s at version %d failed: %s", label, version, exc)
+            record.update(status="failed", error=f"{type(exc).__name__}: {exc}", reward=None)
+        record["seconds"] = time.monotonic() - started
+        self.evals.append(record)
+        self.metrics.write(record)
+        log.info("eval %s (version %d): reward %s in %.1fs", label, version, record.get("reward"), record["seconds"])
+        return record
+
+    # -- main ---------------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        import torch
+
+        from services.trainer import checkpoint as ckpt
+        from services.trainer.learner import Learner, LossConfig
+        from services.trainer.metrics import MetricsLogger, Progress, describe
+
+        s = self.settings
+        wall_start = time.monotonic()
+        self.world = world = World(s)
+        own_client = self._client is None
+        self.client = self._client or SamplerClient(s.sampler_url, api_token=s.api_token, poll_timeout=s.poll_timeout)
+        try:
+            config = sampler_config(await self.client.status())
+            check_batch_shape(s.per_device_batch_size, s.grad_accum_steps, world.world_size,
+                              int(config["prompts_per_step"]), int(config["num_generations"]))
+            temperature = resolve_temperature(s, config)
+            max_len = s.max_completion_length or config.get("max_tokens")
+            max_staleness = int(config.get("max_staleness", 0) or 0)
+            loss_cfg = LossConfig(loss_type=s.loss, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
+                                  tis_cap=s.tis_cap, beta=s.beta, temperature=temperature,
+                                  max_completion_length=int(max_len) if max_len else None)
+
+            torch.manual_seed(s.seed)
+            dtype = _torch_dtype(s.dtype, world.device)
+            latest = ckpt.latest_checkpoint(s.run_dir) if s.resume else None
+            start_step = 0
+            load_from: str | Path = s.model
+            if latest is not None:
+                start_step = latest[0] + 1
+                load_from = latest[1]
+            model = load_model(load_from, dtype, world.device)
+            if s.gradient_checkpointing:
+                model.gradient_checkpointing_enable()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay,
+                                          betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps)
+            if latest is not None and (latest[1] / ckpt.OPTIMIZER_FILE).is_file():
+                optimizer.load_state_dict(torch.load(latest[1] / ckpt.OPTIMIZER_FILE, map_location=world.device))
+            ref_model = None
+            if s.beta:
+                # The KL anchor is the starting model, also after a resume.
+                ref_model = load_model(s.model, dtype, world.device).eval().requires_grad_(False)
+            learner = Learner(model, optimizer, loss_cfg, device=world.device, ref_model=ref_model,
+                              max_grad_norm=s.max_grad_norm, distributed=world.distributed,
+                              train_mode=s.gradient_checkpointing)
+
+            self.metrics = MetricsLogger(s.run_dir, enabled=world.is_main, tensorboard=s.tensorboard)
+            self.published_version = start_step
+            public_settings = s.model_dump(mode="json", exclude={"api_token"})
+            if world.is_main:
+                self.metrics.write({"event": "start", "start_step": start_step, "max_steps": s.max_steps,
+                                    "world_size": world.world_size, "device": str(world.device),
+                                    "dtype": str(dtype), "temperature": temperature,
+                                    "resumed_from": str(latest[1]) if latest else None,
+                                    "sampler_config": config, "settings": public_settings})
+                log.info("trainer: steps %d..%d, %d rank(s) on %s, loss %s, temperature %g%s",
+                         start_step, s.max_steps - 1, world.world_size, world.device, s.loss, temperature,
+                         f", resumed from {latest[1]}" if latest else "")
+                if latest is not None:
+                    # The previous run may have died between saving and publishing.
+                    await self._publish(start_step, latest[1])
+            world.barrier()
+
+            before_task = None
+            if world.is_main and s.eval_at_start:
+                before_task = asyncio.create_task(self._eval(start_step, start_step, "before"))
+            progress = Progress(s.max_steps, start_step, enabled=world.is_main and s.progress)
+            totals = {"wait": 0.0, "train": 0.0, "stale_sum": 0.0, "n": 0.0}
+            first_reward = last_reward = None
+            last_checkpoint: Path | None = latest[1] if latest else None
+            prefetch: asyncio.Task | None = None
+            step = start_step
+            try:
+                for step in range(start_step, s.max_steps):
+                    t_need = time.monotonic()
+                    batch = None
+                    if prefetch is not None:
+                        try:
+                            batch = await prefetch
+                        except BatchNotReady:
+                            batch = None
+                        prefetch = None
+                    if batch is None:
+                        batch = await self._fetch(step)
+                    wait_s = time.monotonic() - t_need
+                    if batch.step != step:
+                        raise RuntimeError(f"asked the sampler for batch {step}, got batch {batch.step}")
+                    expected = s.per_device_batch_size * s.grad_accum_steps
+                    if len(batch.samples) != expected:
+                        raise RuntimeError(
+                            f"batch {step} gave rank {world.rank} {len(batch.samples)} samples, expected "
+                            f"per_device_batch_size ({s.per_device_batch_size}) x grad_accum_steps "
+                            f"({s.grad_accum_steps}) = {expected}"
+                        )
+                    if max_staleness >= 1 and step + 1 < s.max_steps:
+                        # Batch N+1 may use version N (already published): fetch it while training.
+                        prefetch = asyncio.create_task(
+                            self.client.get_batch(step + 1, world.rank, world.world_size, timeout=s.batch_timeout)
+                        )
+
+                    lr = learning_rate(s, step)
+                    t_train = time.monotonic()
+                    result = await self._in_thread(learner.train_on_samples, batch.samples,
+                                                   grad_accum_steps=s.grad_accum_steps,
+                                                   num_iterations=s.num_iterations, lr=lr)
+                    stats = await self._in_thread(self._reduce_stats, batch_stats(batch, step), learner)
+                    train_s = time.monotonic() - t_train
+
+                    version = step + 1
+                    checkpoint_s = publish_s = 0.0
+                    if world.is_main:
+                        t0 = time.monotonic()
+                        last_checkpoint = await self._in_thread(
+                            ckpt.save_checkpoint, s.run_dir, step, model, model_dir=s.model,
+                            optimizer=optimizer if s.save_optimizer else None,
+                            state={"lr": lr, "world_size": world.world_size, "settings": public_settings},
+                        )
+                        checkpoint_s = time.monotonic() - t0
+                        if step == start_step and before_task is not None:
+                            # The "before" eval must see version 0: publish only once it is done.
+                            await before_task
+                        t0 = time.monotonic()
+                        await self._publish(version, last_checkpoint)
+                        publish_s = time.monotonic() - t0
+                        # Prune only after publishing, so the previous published version stays on disk.
+                        ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
+                    await self._in_thread(world.barrier)
+
+                    n = max(stats["n"], 1.0)
+                    reward_mean = stats["reward_sum"] / n
+                    reward_std = max(stats["reward_sq"] / n - reward_mean ** 2, 0.0) ** 0.5
+                    record = {
+                        "event": "step", "step": step, "version": version, "lr": lr,
+                        **result,
+                        "reward_mean": reward_mean, "reward_std": reward_std,
+                        "staleness_mean": stats["stale_sum"] / n, "staleness_max": int(stats["stale_max"]),
+                        "batch_staleness_mean": batch.stats.staleness_mean,
+                        "batch_staleness_max": batch.stats.staleness_max,
+                        "samples": int(stats["n"]),
+                        "completion_tokens_mean": stats["completion_tokens"] / n,
+                        "truncated_fraction": stats["truncated"] / n,
+                        "batch_wait_s": wait_s, "train_s": train_s,
+                        "checkpoint_s": checkpoint_s, "publish_s": publish_s,
+                        "tokens_per_s": result["forward_tokens"] / train_s if train_s > 0 else None,
+                        "generation_s": batch.stats.generation_seconds,
+                    }
+                    totals["wait"] += wait_s
+                    totals["train"] += train_s
+                    totals["stale_sum"] += stats["stale_sum"]
+                    totals["n"] += stats["n"]
+                    first_reward = reward_mean if first_reward is None else first_reward
+                    last_reward = reward_mean
+                    if world.is_main:
+                        self.metrics.write(record)
+                        progress.update(step + 1, describe(record))
+                        log.info(describe(record))
+                        if s.eval_every and version % s.eval_every == 0 and step + 1 < s.max_steps:
+                            self._eval_tasks.append(asyncio.create_task(self._eval(step + 1, version, "periodic")))
+            finally:
+                progress.close()
+                if prefetch is not None:
+                    prefetch.cancel()
+
+            final_version = max(s.max_steps, start_step)
+            if before_task is not None:
+                await before_task
+            after = None
+            if world.is_main and s.eval_at_end:
+                after = await self._eval(final_version, final_version, "after")
+            if self._eval_tasks:
+                await asyncio.gather(*self._eval_tasks)
+            before = next((e for e in self.evals if e["label"] == "before"), None)
+            wall = time.monotonic() - wall_start
+            busy = totals["wait"] + totals["train"]
+            summary = {
+                "steps": max(s.max_steps - start_step, 0),
+                "start_step": start_step,
+                "final_step": final_version - 1,
+                "final_version": final_version,
+                "wall_seconds": wall,
+                "wait_seconds": totals["wait"],
+                "train_seconds": totals["train"],
+                "trainer_wait_fraction": totals["wait"] / busy if busy > 0 else 0.0,
+                "staleness_mean": totals["stale_sum"] / totals["n"] if totals["n"] else 0.0,
+                "reward_mean_first": first_reward,
+                "reward_mean_last": last_reward,
+                "eval_reward_before": before.get("reward") if before else None,
+                "eval_reward_after": after.get("reward") if after else None,
+                "evals": self.evals,
+                "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,
+                "metrics_path": str(self.metrics.path),
+                "world_size": world.world_size,
+            }
+            if world.is_main:
+                self.metrics.write({"event": "end", **{k: v for k, v in summary.items() if k != "evals"}})
+                Path(s.run_dir).mkdir(parents=True, exist_ok=True)
+                (Path(s.run_dir) / "trainer_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            world.barrier()
+            return summary
+        finally:
+            for task in self._eval_tasks:
+                task.cancel()
+            if hasattr(self, "metrics"):
+                self.metrics.close()
+            if own_client:
+                await self.client.aclose()
+            self._executor.shutdown(wait=False)
+            world.close()
+
+    @staticmethod
+    def _reduce_stats(stats: dict[str, float], learner: Any) -> dict[str, float]:
+        import torch
+        import torch.distributed as dist
+
+        if not learner.distributed:
+            return stats
+        keys = [k for k in stats if k != "stale_max"]
+        dev = learner._collective_device
+        summed = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=dev)
+        dist.all_reduce(summed)
+        peak = torch.tensor([stats["stale_max"]], dtype=torch.float64, device=dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {**dict(zip(keys, summed.tolist())), "stale_max": float(peak.item())}
+
+
+async def train(settings: TrainerSettings, client: SamplerClient | None = None) -> dict[str, Any]:
+    """Train until `settings.max_steps`; returns the summary (see the module docstring)."""
+    return await Trainer(settings, client).run()
+
+
+def run(settings: TrainerSettings) -> dict[str, Any]:
+    """Synchronous wrapper of `train` for scripts and the CLI."""
+    return asyncio.run(train(settings))
