@@ -1,0 +1,562 @@
+"""The CPU engine: continuous batched generation with pause/resume and live weight reloads.
+
+Contract (what the HTTP layer and tests rely on):
+
+* `await engine.generate(prompt_ids, params, n)` returns `n` `Output`s. All sequences in
+  flight, from every request, are stepped together: one scheduler task admits waiting
+  sequences, prefills them in one left-padded forward, and decodes every running sequence
+  in one batched forward with a KV cache (`kvcache.Batch`) per step. The model runs on one
+  dedicated worker thread, so the event loop (HTTP) stays responsive.
+* Seeded sequences are reproducible regardless of what they are batched with (each has its
+  own generator; choice i of a request with seed s uses s + i, like vLLM's parallel sampling).
+* `pause(mode)` follows vLLM: "abort" ends every in-flight sequence now with finish reason
+  "abort" and its partial output; "wait" stops admitting and returns once the running
+  sequences finished; "keep" freezes running sequences (with their KV cache) until `resume()`.
+  While paused, new requests queue and start after `resume()`.
+* `reload_weights(path)` copies an HF checkpoint directory's safetensors into the live model
+  between two steps (validated first: a bad checkpoint changes nothing). Keys that do not
+  match, or shapes that differ, are an error.
+* Every generated token is stamped with the weight-version label current when its step ran;
+  `Output.weight_versions` holds one span per label run, over output-token indexes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from services.inference import kvcache
+from services.inference.metrics import InferenceMetrics
+from services.inference.sampling import RowParams, sample
+
+log = logging.getLogger("tandem.inference.engine")
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class RequestError(ValueError):
+    """Bad input: the HTTP layer answers it with `status` and an OpenAI-style error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's plus the top k
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class VersionSpan:
+    """Output tokens [start, end) were sampled with weights labelled `version`."""
+
+    version: str
+    start: int
+    end: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
+@dataclass
+class Output:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_reason: str | int | None
+    weight_versions: list[VersionSpan]
+
+
+@dataclass(eq=False)
+class _Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    future: asyncio.Future
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    spans: list[VersionSpan] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str | None = None  # set when a stop string cut the text
+    cancelled: bool = False  # the client went away; dropped at the next step
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_path: str | Path,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        weight_version: str = "0",
+        seed: int = 0,
+        metrics: InferenceMetrics | None = None,
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.model_path = Path(model_path)
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_model_len = int(max_model_len or getattr(config, "max_position_embeddings", 2048))
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pad_id = next(
+            (t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0
+        )
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.metrics = metrics or InferenceMetrics(str(model_path))
+        self._version = str(weight_version)
+        self.metrics.on_version(None, self._version)
+        self._rng = random.Random(seed)
+        # One thread owns the model: steps and reloads never overlap, torch state stays put.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+        self._lock = asyncio.Lock()  # held for a whole step or reload
+        self._work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._rows: list[_Sequence] = []  # row i of self._batch
+        self._batch: kvcache.Batch | None = None
+        self._paused = False
+        self._admitting = True
+        self._pause_epoch = 0
+        self._task: asyncio.Task | None = None
+        self.stats = {"steps": 0, "peak_batch_size": 0, "last_batch_size": 0, "generated_tokens": 0,
+                      "prompt_tokens": 0, "finished": 0, "reloads": 0}
+        self.metrics.bind(
+            running=lambda: sum(1 for s in self._rows if not s.done),
+            waiting=lambda: sum(1 for s in self._waiting if not s.done),
+            paused=lambda: float(self._paused),
+        )
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def load(cls, model_path: str | Path, **kwargs: Any) -> "Engine":
+        """Load an HF model directory (blocking: call it off the event loop)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        # float32: CPU bf16 matmuls are slow and would make the logprobs noisier.
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        engine = cls(model, tokenizer, model_path=path, **kwargs)
+        engine._probe()
+        return engine
+
+    @staticmethod
+    def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+        ids: set[int] = set()
+        sources = [tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+        for value in sources:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+    def _probe(self) -> None:
+        """Fail at start-up, not on the first request, when the cache layout is unsupported."""
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([[self.pad_id]]), use_cache=True)
+        kvcache.check_supported(out.past_key_values)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="tandem-engine-scheduler")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._abort_all()
+        self._executor.shutdown(wait=True)
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    def set_weight_version(self, version: str) -> None:
+        old, self._version = self._version, str(version)
+        self.metrics.on_version(old, self._version)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self._rows if not s.done)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self._waiting if not s.done)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("The prompt cannot be empty.", param="prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).", param="prompt"
+            )
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {n} input tokens. Please reduce the length of the input.", param="prompt",
+            )
+        if params.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {params.max_tokens}.", param="max_tokens")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and your request has {n} input tokens "
+                f"({params.max_tokens} > {self.max_model_len} - {n}).", param="max_tokens",
+            )
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise RequestError(f"stop_token_ids: {bad_stop[0]} is out of vocabulary.", param="stop_token_ids")
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> list[Output]:
+        self.validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        seqs = []
+        for i in range(n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            gen = torch.Generator().manual_seed(seed % (2**63))
+            seqs.append(_Sequence(list(prompt_ids), params, gen, loop.create_future()))
+        self._waiting.extend(seqs)
+        self._work.set()
+        try:
+            return list(await asyncio.gather(*(s.future for s in seqs)))
+        except asyncio.CancelledError:
+            for s in seqs:
+                s.cancelled = True
+            self._work.set()
+            raise
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise RequestError(f"mode must be one of abort, wait, keep; got {mode!r}", param="mode")
+        self._pause_epoch += 1
+        epoch = self._pause_epoch
+        if mode == "wait":
+            self._admitting = False
+            await self._idle.wait()
+            if epoch != self._pause_epoch or self._admitting:
+                return  # resumed (or re-paused) while draining
+        async with self._lock:  # the step in progress completes first
+            self._paused = True
+            self._admitting = True
+            if mode == "abort":
+                self._abort_all()
+
+    async def resume(self) -> None:
+        self._pause_epoch += 1
+        self._paused = False
+        self._admitting = True
+        self._work.set()
+
+    async def reload_weights(self, weights_path: str | Path | None = None) -> None:
+        path = Path(weights_path) if weights_path else self.model_path
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self._load_weights, path)
+        self.stats["reloads"] += 1
+        self.metrics.on_reload()
+
+    # ----------------------------------------------------------------- scheduler
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._work.wait()
+            async with self._lock:
+                if self._paused:
+                    self._work.clear()
+                    continue
+                new = self._admit() if self._admitting else []
+                if not new and self.num_running == 0:
+                    self._work.clear()
+                    self._idle.set()
+                    continue
+                self._idle.clear()
+                label = self._version
+                started = time.perf_counter()
+                try:
+                    finished, batch_size, prompt_tokens = await loop.run_in_executor(
+                        self._executor, self._step, new, label
+                    )
+                except Exception as exc:  # a bug or an OOM must not kill the server
+                    log.exception("engine step failed; failing the sequences in it")
+                    self._fail_all(exc)
+                    continue
+                elapsed = time.perf_counter() - started
+            self.stats["steps"] += 1
+            self.stats["last_batch_size"] = batch_size
+            self.stats["peak_batch_size"] = max(self.stats["peak_batch_size"], batch_size)
+            self.stats["generated_tokens"] += batch_size
+            self.stats["prompt_tokens"] += prompt_tokens
+            self.metrics.on_step(batch_size, self.stats["peak_batch_size"], prompt_tokens, batch_size, elapsed)
+            for seq in finished:
+                self._resolve(seq)
+            if self.num_running == 0:
+                self._idle.set()
+            # Let HTTP handlers run between steps even when the worker answers instantly.
+            await asyncio.sleep(0)
+
+    def _admit(self) -> list[_Sequence]:
+        room = self.max_num_seqs - self.num_running
+        budget = self.max_num_batched_tokens
+        admitted: list[_Sequence] = []
+        prompts: set[tuple[int, ...]] = set()
+        while self._waiting and room > 0:
+            seq = self._waiting[0]
+            if seq.done:
+                self._waiting.popleft()
+                continue
+            key = tuple(seq.prompt_ids)
+            cost = 0 if key in prompts else len(key)
+            if admitted and cost > budget:
+                break
+            self._waiting.popleft()
+            admitted.append(seq)
+            prompts.add(key)
+            budget -= cost
+            room -= 1
+        return admitted
+
+    def _resolve(self, seq: _Sequence) -> None:
+        if seq.future.done():
+            return
+        self.stats["finished"] += 1
+        self.metrics.on_finish(seq.finish_reason or "abort")
+        seq.future.set_result(self._output(seq))
+
+    def _abort_all(self) -> None:
+        for seq in [*self._rows, *self._waiting]:
+            if not seq.done:
+                seq.finish_reason = "abort"
+                self._resolve(seq)
+        self._waiting.clear()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for seq in [*self._rows, *self._waiting]:
+            if not seq.future.done():
+                seq.future.set_exception(RuntimeError(f"engine step failed: {exc}"))
+        self._rows, self._batch = [], None
+        self._waiting.clear()
+
+    # ----------------------------------------------------------------- worker thread
+
+    def _step(self, new: list[_Sequence], label: str) -> tuple[list[_Sequence], int, int]:
+        with torch.inference_mode():
+            self._compact()
+            parts = []
+            if self._batch is not None:
+                parts.append(self._decode())
+            prompt_tokens = 0
+            if new:
+                batch, logits, prompt_tokens = self._prefill(new)
+                self._batch = kvcache.Batch.merge(self._batch, batch)
+                self._rows.extend(new)
+                parts.append(logits)
+            logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+            rows = [self._row_params(seq) for seq in self._rows]
+            result = sample(logits, rows)
+        assert self._batch is not None
+        self._batch.pending = torch.tensor(result.tokens, dtype=torch.long)
+        finished = []
+        for i, seq in enumerate(self._rows):
+            if seq.done:
+                continue
+            self._append(seq, result.tokens[i], result.logprobs[i], result.top[i], label)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        return finished, len(self._rows), prompt_tokens
+
+    def _compact(self) -> None:
+        keep = [i for i, seq in enumerate(self._rows) if not seq.done]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._batch = [], None
+            return
+        assert self._batch is not None
+        self._batch = self._batch.select(keep)
+        self._rows = [self._rows[i] for i in keep]
+
+    def _decode(self) -> torch.Tensor:
+        b = self._batch
+        assert b is not None
+        mask = torch.cat([b.mask, torch.ones((b.size, 1), dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=b.pending[:, None],
+            attention_mask=mask,
+            position_ids=b.lengths[:, None],
+            past_key_values=kvcache.from_tensors(b.kv),
+            use_cache=True,
+        )
+        self._batch = kvcache.Batch(
+            kv=kvcache.to_tensors(out.past_key_values), mask=mask, lengths=b.lengths + 1, pending=b.pending
+        )
+        return out.logits[:, -1].float()
+
+    def _prefill(self, seqs: list[_Sequence]) -> tuple[kvcache.Batch, torch.Tensor, int]:
+        # GRPO sends n copies of a prompt: prefill each distinct prompt once.
+        unique: dict[tuple[int, ...], int] = {}
+        index = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in seqs]
+        prompts = [list(p) for p in unique]
+        ids, mask, positions = kvcache.left_pad(prompts, self.pad_id)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
+        kv = kvcache.to_tensors(out.past_key_values)
+        logits = out.logits[:, -1].float()
+        if len(unique) < len(seqs):
+            sel = torch.tensor(index, dtype=torch.long)
+            kv = [(k.index_select(0, sel), v.index_select(0, sel)) for k, v in kv]
+            mask = mask.index_select(0, sel)
+            logits = logits.index_select(0, sel)
+        batch = kvcache.Batch(
+            kv=kv, mask=mask,
+            lengths=torch.tensor([len(s.prompt_ids) for s in seqs], dtype=torch.long),
+            pending=torch.zeros(len(seqs), dtype=torch.long),
+        )
+        return batch, logits, sum(len(p) for p in prompts)
+
+    def _row_params(self, seq: _Sequence) -> RowParams:
+        p = seq.params
+        banned: tuple[int, ...] = ()
+        if len(seq.token_ids) < p.min_tokens:
+            banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)))
+        return RowParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, generator=seq.generator,
+            num_top_logprobs=p.logprobs, banned=banned,
+        )
+
+    def _append(self, seq: _Sequence, token: int, logprob: float, top, label: str) -> None:
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        if top is not None:
+            seq.top.append(top)
+        n = len(seq.token_ids)
+        if seq.spans and seq.spans[-1].version == label:
+            seq.spans[-1].end = n
+        else:
+            seq.spans.append(VersionSpan(label, n - 1, n))
+        p = seq.params
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not p.ignore_eos and token in self.eos_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and self._check_stop_strings(seq):
+            pass
+        elif n >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def _check_stop_strings(self, seq: _Sequence) -> bool:
+        text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        longest = max(len(s) for s in seq.params.stop)
+        # Only the tail can hold a stop string that was not there one token ago.
+        window_start = max(0, len(text) - longest - 16)
+        hits = [(text.find(s, window_start), s) for s in seq.params.stop if s]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        cut = at + len(stop) if seq.params.include_stop_str_in_output else at
+        seq.text = text[:cut]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def _output(self, seq: _Sequence) -> Output:
+        text = seq.text
+        if text is None:
+            text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        return Output(
+            token_ids=list(seq.token_ids),
+            text=text,
+            logprobs=list(seq.logprobs),
+            top_logprobs=list(seq.top) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason or "abort",
+            stop_reason=seq.stop_reason,
+            weight_versions=[VersionSpan(s.version, s.start, s.end) for s in seq.spans],
+        )
+
+    def _load_weights(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        if not path.is_dir():
+            raise RequestError(f"weights_path {str(path)!r} is not a directory", param="weights_path")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise RequestError(f"no *.safetensors files in {str(path)!r}", param="weights_path")
+        incoming: dict[str, torch.Tensor] = {}
+        for f in files:
+            incoming.update(load_file(str(f)))
+        params = dict(self.model.named_parameters())
+        params.update({k: v for k, v in self.model.named_buffers() if k in incoming})
+        unexpected = sorted(set(incoming) - set(params))
+        if unexpected:
+            raise RequestError(
+                f"checkpoint {str(path)!r} has weights this model lacks: {unexpected[:5]}", param="weights_path"
+            )
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = sorted(set(dict(self.model.named_parameters())) - set(incoming) - tied)
+        if missing:
+            raise RequestError(f"checkpoint {str(path)!r} lacks weights: {missing[:5]}", param="weights_path")
+        for name, tensor in incoming.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise RequestError(
+                    f"checkpoint {str(path)!r}: {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(params[name].shape)}", param="weights_path",
+                )
+        # Validated in full above, so a bad checkpoint never leaves the model half-updated.
+        with torch.no_grad():
+            for name, tensor in incoming.items():
+                params[name].copy_(tensor)
+        log.info("reloaded %d tensors from %s", len(incoming), path)

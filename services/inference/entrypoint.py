@@ -1,0 +1,33 @@
+"""`tandem inference`: parse InferenceSettings, then start the chosen backend.
+
+`--backend cpu` (default) serves the model with the built-in CPU server under uvicorn;
+`--backend vllm` runs `vllm serve` as a child process (vllm_launcher.py). Settings are
+validated before torch, transformers or vllm is imported, so a typo fails in milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Sequence
+
+from shared.settings import load
+from services.inference.config import InferenceSettings
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    settings = load(InferenceSettings, argv, prog)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if settings.backend == "vllm":
+        from services.inference.vllm_launcher import run
+
+        return run(settings)
+    import uvicorn
+
+    from services.inference.server import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
