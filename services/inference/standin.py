@@ -1,0 +1,203 @@
+"""A model-free stand-in for `vllm serve`, for tests and benchmarks of the sampler.
+
+It speaks the subset of vLLM's HTTP API that Tandem uses (completions with token ids,
+logprobs and weight-version spans; pause/resume; reload_weights; version labels) and
+generates pseudo-random characters with a configurable latency per token, so that
+generation time can be set exactly. Tokens are bytes: token id = byte value, id 0 = EOS.
+It is not a language model: use the CPU inference server for anything that must learn.
+
+Run: `python -m services.inference.standin --port 8000 --token-latency 0.001`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+ALPHABET = "0123456789abcdefghij "
+EOS = 0
+
+
+@dataclass
+class StandInState:
+    token_latency: float = 0.0
+    version: str = "0"
+    paused: bool = False
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    reloads: list[str] = field(default_factory=list)
+    requests: int = 0
+    fail_next: int = 0  # answer this many completion requests with 503 (fault drills)
+    max_model_len: int = 4096
+    model_id: str = "standin"
+
+    def __post_init__(self) -> None:
+        self.resumed.set()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status_code=status)
+
+
+def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield {"standin": StandInState(token_latency=token_latency, version=version)}
+
+    app = FastAPI(title="Tandem inference stand-in", lifespan=lifespan)
+
+    def st(request: Request) -> StandInState:
+        return request.state.standin
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        s = st(request)
+        return {"object": "list", "data": [{"id": s.model_id, "object": "model", "max_model_len": s.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        s = st(request)
+        body = await request.json()
+        s.requests += 1
+        if s.fail_next > 0:
+            s.fail_next -= 1
+            return _error(503, "stand-in told to fail")
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            prompt_ids = [int(t) for t in prompt]
+        else:
+            prompt_ids = list(str(prompt).encode())
+        n = int(body.get("n", 1))
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _error(400, f"max_tokens must be at least 1, got {max_tokens}")
+        temperature = float(body.get("temperature", 1.0))
+        seed = body.get("seed")
+        rng = random.Random(seed if seed is not None else time.perf_counter_ns())
+        choices = await asyncio.gather(*(
+            _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body)
+            for i in range(n)
+        ))
+        return {
+            "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
+            "model": s.model_id, "choices": list(choices),
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": sum(len(c["token_ids"]) for c in choices),
+                      "total_tokens": len(prompt_ids) * n + sum(len(c["token_ids"]) for c in choices)},
+        }
+
+    async def _generate(s: StandInState, index: int, prompt_ids: list[int], max_tokens: int,
+                        temperature: float, rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
+        token_ids: list[int] = []
+        labels: list[str] = []
+        finish = "length"
+        for _ in range(max_tokens):
+            await s.resumed.wait()  # a paused (keep) server freezes requests between tokens
+            if s.token_latency:
+                await asyncio.sleep(s.token_latency)
+            if temperature > 0 and rng.random() < 0.1:
+                finish = "stop"
+                break
+            token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
+            labels.append(s.version)
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": bytes(token_ids).decode(),
+            "finish_reason": finish,
+            "logprobs": {"token_logprobs": [-math.log(len(ALPHABET))] * len(token_ids),
+                         "tokens": [chr(t) for t in token_ids], "top_logprobs": None, "text_offset": []},
+        }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = token_ids
+            choice["prompt_token_ids"] = prompt_ids
+        if body.get("return_weight_versions"):
+            spans: list[dict[str, Any]] = []
+            for i, label in enumerate(labels):
+                if spans and spans[-1]["version"] == label:
+                    spans[-1]["end"] = i + 1
+                else:
+                    spans.append({"version": label, "start": i, "end": i + 1})
+            choice["weight_versions"] = spans
+        return choice
+
+    @app.post("/pause")
+    async def pause(request: Request, mode: str = "keep") -> dict[str, Any]:
+        s = st(request)
+        s.paused = True
+        s.resumed.clear()
+        return {"status": "paused", "mode": mode}
+
+    @app.post("/resume")
+    async def resume(request: Request) -> dict[str, Any]:
+        s = st(request)
+        s.paused = False
+        s.resumed.set()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused(request: Request) -> dict[str, bool]:
+        return {"is_paused": st(request).paused}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        if body.get("method") != "reload_weights":
+            raise HTTPException(400, f"unsupported method {body.get('method')!r}")
+        path = (body.get("kwargs") or {}).get("weights_path")
+        if not path or path.endswith("does-not-exist"):
+            return _error(400, f"cannot load weights from {path!r}")
+        st(request).reloads.append(path)
+        return {"results": [None]}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        st(request).version = str(body["new_version"])
+        return {"weight_version": st(request).version}
+
+    @app.get("/weight_info")
+    async def weight_info(request: Request) -> dict[str, Any]:
+        return {"weight_version": st(request).version}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        return {}
+
+    @app.post("/_standin/fail")
+    async def fail(request: Request, count: int = 1) -> dict[str, int]:
+        st(request).fail_next = count
+        return {"fail_next": count}
+
+    @app.get("/_standin/stats")
+    async def stats(request: Request) -> dict[str, Any]:
+        s = st(request)
+        return {"requests": s.requests, "reloads": s.reloads, "version": s.version, "paused": s.paused}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--token-latency", type=float, default=0.0)
+    parser.add_argument("--version", default="0")
+    args = parser.parse_args(argv)
+    uvicorn.run(create_standin_app(args.token_latency, args.version), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The sampler's FastAPI app. The lifespan owns every client and background task.
+
+Start-up: Redis (external, or the embedded one under run_dir), the events listener,
+the HTTP client for inference servers, per-server version discovery, the producer and
+unfinished evals. Shutdown cancels the tasks within a deadline, closes the clients and
+stops the embedded Redis if this process started it (its AOF keeps the data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import httpx
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from services.sampler.config import SamplerSettings
+from services.sampler.envs import Environment, load_environment
+from services.sampler.evals import Evals
+from services.sampler.inference_pool import InferencePool
+from services.sampler.keys import Keys
+from services.sampler.notify import Notifier
+from services.sampler.producer import Producer
+from services.sampler.redis_server import start_embedded
+from services.sampler.rollout import Rollouts
+from services.sampler.routes import batch, evals, health, status, weights
+from services.sampler.state import SamplerState
+from services.sampler.store import Store
+from services.sampler.strategy import Strategy, load_strategy
+from services.sampler.supervisor import Supervisor
+from services.sampler.weight_sync import WeightSync
+
+log = logging.getLogger("tandem.sampler")
+
+SHUTDOWN_DEADLINE = 10.0
+
+
+@asynccontextmanager
+async def sampler_state(settings: SamplerSettings, env: Environment, strategy: Strategy) -> AsyncIterator[SamplerState]:
+    embedded = None
+    redis_url = settings.redis_url
+    if not redis_url:
+        embedded = await asyncio.to_thread(start_embedded, settings.run_dir / "redis")
+        redis_url = embedded.url
+    # No command here blocks server-side, so a plain socket timeout is safe; the
+    # long-lived subscription in Notifier has its own connection without one.
+    redis = aioredis.from_url(redis_url, socket_timeout=15, socket_connect_timeout=5, health_check_interval=15)
+    http = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=settings.max_concurrency + 32, max_keepalive_connections=settings.max_concurrency + 32),
+        timeout=httpx.Timeout(settings.request_timeout, connect=10.0),
+    )
+    supervisor = Supervisor()
+    try:
+        await redis.ping()
+        keys = Keys(settings.namespace)
+        store = Store(redis, keys)
+        notifier = Notifier(redis_url, keys.events)
+        pool = InferencePool(settings.inference_urls, max_concurrency=settings.max_concurrency,
+                             request_timeout=settings.request_timeout, retries=settings.request_retries, http=http)
+        sampling = {"temperature": settings.temperature, "top_p": settings.top_p, "max_tokens": settings.max_tokens}
+
+        def make_rollouts(environment: Environment) -> Rollouts:
+            return Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,
+                            num_generations=settings.num_generations, sampling=sampling, seed=settings.seed,
+                            advantage=settings.advantage, model_name=settings.model_name)
+
+        rollouts = make_rollouts(env)
+
+        @functools.lru_cache(maxsize=16)
+        def rollouts_for(env_name: str | None) -> Rollouts:
+            return rollouts if env_name in (None, "", settings.env) else make_rollouts(load_environment(env_name))
+
+        weight_sync = WeightSync(pool, store)
+        producer = Producer(store=store, notifier=notifier, pool=pool, rollouts=rollouts,
+                            strategy=strategy, env_name=env.name)
+        eval_jobs = Evals(redis, keys, notifier, rollouts_for,
+                          concurrency=settings.eval_concurrency or max(1, settings.max_concurrency // 4),
+                          default_examples=settings.eval_examples, max_tokens=settings.max_tokens)
+        state = SamplerState(settings=settings, redis=redis, redis_url=redis_url, embedded=embedded, store=store,
+                             notifier=notifier, http=http, pool=pool, rollouts=rollouts, strategy=strategy,
+                             producer=producer, weight_sync=weight_sync, evals=eval_jobs, rollouts_for=rollouts_for)
+        state.extra["supervisor"] = supervisor
+
+        supervisor.spawn("events", notifier.run)
+        await asyncio.wait_for(notifier.connected.wait(), 10)
+        meta = await store.meta()
+        for server in pool.servers:
+            supervisor.spawn(f"discover {server.url}",
+                             functools.partial(weight_sync.discover, server, meta["version"], meta["checkpoint_path"]))
+        supervisor.spawn("producer", producer.run)
+        await eval_jobs.resume_unfinished()
+        log.info("sampler ready: env %s, strategy %s (k=%s), %d inference server(s), redis %s",
+                 env.name, strategy.name, settings.staleness, len(pool.servers), "embedded" if embedded else "external")
+        yield state
+    finally:
+        await supervisor.shutdown(SHUTDOWN_DEADLINE)
+        if "state" in locals():
+            await state.evals.shutdown()
+        await http.aclose()
+        await redis.aclose()
+        if embedded is not None and embedded.started_here:
+            await asyncio.to_thread(embedded.stop)
+
+
+def create_app(settings: SamplerSettings, env: Environment | None = None, strategy: Strategy | None = None) -> FastAPI:
+    env = env or load_environment(settings.env, **settings.env_args)
+    strategy = strategy or load_strategy(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, SamplerState]]:
+        async with sampler_state(settings, env, strategy) as state:
+            yield {"sampler": state}
+
+    app = FastAPI(title="Tandem sampler", version="0.1.0", lifespan=lifespan)
+    for module in (health, batch, weights, evals, status):
+        app.include_router(module.router)
+    return app

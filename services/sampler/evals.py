@@ -1,0 +1,153 @@
+"""Eval jobs: one generation per eval prompt, greedy by default, rewards only.
+
+Jobs live in Redis (`eval:<id>` holds the whole record as JSON) so `GET /eval/{id}`
+works from any replica and after a restart; a restarted sampler re-runs jobs that were
+pending or running. Eval requests pass through the shared inference pool but at most
+`eval_concurrency` at a time, so an eval never takes all of training's capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from services.sampler.keys import Keys
+from services.sampler.notify import Notifier
+from services.sampler.rollout import Rollouts
+
+log = logging.getLogger("tandem.sampler.evals")
+
+KEEP_EVALS = 200
+
+
+class Evals:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, notifier: Notifier,
+                 rollouts_for: Callable[[str | None], Rollouts], *, concurrency: int,
+                 default_examples: int, max_tokens: int):
+        self.r = redis
+        self.keys = keys
+        self.notifier = notifier
+        self.rollouts_for = rollouts_for
+        self.semaphore = asyncio.Semaphore(concurrency)
+        self.default_examples = default_examples
+        self.max_tokens = max_tokens
+        self._tasks: set[asyncio.Task] = set()
+
+    async def _save(self, record: dict[str, Any]) -> None:
+        await self.r.set(self.keys.eval(record["eval_id"]), json.dumps(record))
+
+    async def get(self, eval_id: str) -> dict[str, Any] | None:
+        raw = await self.r.get(self.keys.eval(eval_id))
+        return json.loads(raw) if raw else None
+
+    async def start(self, request: dict[str, Any]) -> str:
+        self.rollouts_for(request.get("env"))  # fail now, with a 4xx, if the env is unknown
+        eval_id = uuid.uuid4().hex[:16]
+        now = time.time()
+        record = {"eval_id": eval_id, "status": "pending", "request": request, "result": None,
+                  "error": None, "created_at": now, "finished_at": None}
+        await self._save(record)
+        await self.r.zadd(self.keys.evals, {eval_id: now})
+        # Keep the job index bounded: drop the oldest jobs beyond KEEP_EVALS.
+        old = await self.r.zrange(self.keys.evals, 0, -KEEP_EVALS - 1)
+        if old:
+            await self.r.delete(*(self.keys.eval(i.decode()) for i in old))
+            await self.r.zrem(self.keys.evals, *old)
+        self._spawn(record)
+        return eval_id
+
+    def _spawn(self, record: dict[str, Any]) -> None:
+        task = asyncio.create_task(self._run(record), name=f"eval-{record['eval_id']}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def resume_unfinished(self) -> None:
+        for eval_id in await self.r.zrange(self.keys.evals, 0, -1):
+            record = await self.get(eval_id.decode())
+            if record and record["status"] in ("pending", "running"):
+                log.info("re-running eval %s left %s by a previous sampler", record["eval_id"], record["status"])
+                self._spawn(record)
+
+    async def wait(self, eval_id: str, timeout: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            changed = self.notifier.changed()
+            record = await self.get(eval_id)
+            if record is None or record["status"] in ("done", "failed"):
+                return record
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return record
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                return await self.get(eval_id)
+
+    async def _run(self, record: dict[str, Any]) -> None:
+        request = record["request"]
+        record["status"] = "running"
+        await self._save(record)
+        try:
+            record["result"] = await self._evaluate(request)
+            record["status"] = "done"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed eval is reported, not raised
+            log.exception("eval %s failed", record["eval_id"])
+            record["status"] = "failed"
+            record["error"] = f"{type(exc).__name__}: {exc}"
+        record["finished_at"] = time.time()
+        await self._save(record)
+        self.notifier.notify()
+        await self.r.publish(self.keys.events, f"eval:{record['eval_id']}")
+
+    async def _evaluate(self, request: dict[str, Any]) -> dict[str, Any]:
+        rollouts = self.rollouts_for(request.get("env"))
+        examples = list(rollouts.env.examples("eval"))
+        n = request.get("num_examples") or self.default_examples
+        examples = examples[:n]
+        if not examples:
+            raise ValueError(f"environment {rollouts.env.name!r} has no eval examples")
+        sampling = {"temperature": request.get("temperature", 0.0),
+                    "max_tokens": request.get("max_tokens") or self.max_tokens}
+        if request.get("seed") is not None:
+            sampling["seed"] = request["seed"]
+        min_version = rollouts.pool.max_version() or 0
+
+        async def one(example):
+            async with self.semaphore:
+                completions = await rollouts.generate(
+                    rollouts.env.format_prompt(example), n=1, min_version=min_version, **sampling
+                )
+            total, parts = await rollouts.env.score(example, completions[0])
+            return example, completions[0], total, parts
+
+        scored = await asyncio.gather(*(one(ex) for ex in examples))
+        rewards = np.array([total for _, _, total, _ in scored])
+        names = sorted({name for *_, parts in scored for name in parts})
+        versions = [min(c.versions) if c.versions else min_version for _, c, _, _ in scored]
+        return {
+            "env": rollouts.env.name,
+            "num_examples": len(scored),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "rewards_mean": {k: float(np.mean([p.get(k, 0.0) for *_, p in scored])) for k in names},
+            "policy_version": int(min(versions)),
+            "completion_tokens_mean": float(np.mean([len(c.token_ids) for _, c, _, _ in scored])),
+            "examples": [
+                {"prompt_id": ex.prompt_id, "prompt": ex.prompt, "completion": c.text, "reward": total}
+                for ex, c, total, _ in scored[:8]
+            ],
+        }
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

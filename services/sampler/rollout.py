@@ -1,0 +1,257 @@
+"""From prompts to scored groups: dataset order, requests, parsing, rewards, advantages.
+
+Dataset order is a pure function of (seed, global prompt index): index i lives in epoch
+i // len(dataset), and each epoch is a fresh seeded permutation. Batch N's prompts are
+indices N*P .. N*P+P-1 (P = prompts_per_step), so a restarted sampler regenerates
+exactly the prompts an uninterrupted one would have, with no cursor to persist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from services.sampler.advantages import group_advantages
+from services.sampler.envs.base import Completion, Environment, Example
+from services.sampler.inference_pool import InferencePool, InferenceRequestError
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any parts (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+class DatasetOrder:
+    def __init__(self, size: int, seed: int):
+        if size <= 0:
+            raise ValueError("the environment's dataset is empty")
+        self.size = size
+        self.seed = seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, index: int) -> int:
+        epoch, offset = divmod(index, self.size)
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            self._perms = {epoch: perm}  # only the current epoch is ever needed again
+        return int(perm[offset])
+
+
+@dataclass
+class Group:
+    """`n` completions of one prompt, scored, with advantages."""
+
+    example: Example
+    group_id: str
+    completions: list[Completion]
+    rewards: list[float]
+    reward_parts: list[dict[str, float]]
+    advantages: list[float]
+    policy_versions: list[int]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def samples(self, env_name: str) -> list[dict[str, Any]]:
+        out = []
+        for i, c in enumerate(self.completions):
+            out.append({
+                "prompt_id": self.example.prompt_id,
+                "group_id": self.group_id,
+                "prompt_token_ids": c.prompt_token_ids,
+                "completion_token_ids": c.token_ids,
+                "completion_logprobs": c.logprobs,
+                "loss_mask": c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids),
+                "reward": self.rewards[i],
+                "rewards": self.reward_parts[i],
+                "advantage": self.advantages[i],
+                "policy_version": self.policy_versions[i],
+                "finish_reason": c.finish_reason,
+                "use_count": 1,
+                "env": env_name,
+                "sample_index": i,
+                "versions": c.versions,
+                "prompt_text": self.example.prompt,
+                "completion_text": c.text,
+                **self.info,
+            })
+        return out
+
+
+def parse_completions(body: dict[str, Any], served_version: int | None) -> list[Completion]:
+    """vLLM /v1/completions JSON -> Completions (needs return_token_ids and logprobs)."""
+    out = []
+    for choice in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
+        token_ids = choice.get("token_ids")
+        prompt_ids = choice.get("prompt_token_ids") or body.get("prompt_token_ids")
+        if token_ids is None or prompt_ids is None:
+            raise InferenceRequestError(
+                "inference answer lacks token ids: the server must support return_token_ids (vLLM >= 0.10)"
+            )
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if logprobs is None or len(logprobs) != len(token_ids):
+            raise InferenceRequestError(
+                f"inference answer has {0 if logprobs is None else len(logprobs)} logprobs "
+                f"for {len(token_ids)} tokens: the server must honour logprobs=0"
+            )
+        versions = sorted({int(span["version"]) for span in choice.get("weight_versions") or []
+                           if str(span.get("version", "")).lstrip("-").isdigit()})
+        if not versions and served_version is not None:
+            versions = [served_version]
+        out.append(Completion(
+            text=choice.get("text", ""),
+            prompt_token_ids=list(prompt_ids),
+            token_ids=list(token_ids),
+            logprobs=[float(x) if x is not None else 0.0 for x in logprobs],
+            finish_reason=_FINISH.get(choice.get("finish_reason") or "stop", "stop"),
+            versions=versions,
+        ))
+    return out
+
+
+class Rollouts:
+    """Generates and scores groups for the producer and for evals."""
+
+    def __init__(self, env: Environment, pool: InferencePool, *, prompts_per_step: int,
+                 num_generations: int, sampling: dict[str, Any], seed: int, advantage: str,
+                 model_name: str | None):
+        self.env = env
+        self.pool = pool
+        self.prompts_per_step = prompts_per_step
+        self.num_generations = num_generations
+        self.sampling = sampling
+        self.seed = seed
+        self.advantage = advantage
+        self.model_name = model_name
+        self.train = list(env.examples("train"))
+        self.order = DatasetOrder(len(self.train), seed)
+        self._model_lock = asyncio.Lock()
+        self.completions_done = 0
+        self.tokens_done = 0
+
+    def examples_for_step(self, step: int) -> list[Example]:
+        base = step * self.prompts_per_step
+        return [self.train[self.order[base + j]] for j in range(self.prompts_per_step)]
+
+    async def model(self) -> str:
+        """The served model id: the setting, else the first server's /v1/models."""
+        async with self._model_lock:
+            if self.model_name is None:
+                body, _ = await self._get_models()
+                self.model_name = body["data"][0]["id"]
+            return self.model_name
+
+    async def _get_models(self) -> tuple[dict[str, Any], str]:
+        last_error = None
+        for server in self.pool.servers:
+            try:
+                response = await self.pool.get(server.url, "/v1/models")
+                if response.status_code == 200:
+                    return response.json(), server.url
+                last_error = f"{server.url}: HTTP {response.status_code}"
+            except Exception as exc:  # noqa: BLE001 - try the next server
+                last_error = f"{server.url}: {exc!r}"
+        raise InferenceRequestError(f"cannot read the model id from any /v1/models ({last_error})")
+
+    async def generate(self, prompt: str, *, n: int, min_version: int = 0, **sampling: Any) -> list[Completion]:
+        body = {
+            **self.env.sampling,
+            **self.sampling,
+            **sampling,
+            "model": await self.model(),
+            "prompt": prompt,
+            "n": n,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_weight_versions": True,
+        }
+        answer, server = await self.pool.post("/v1/completions", body, min_version=min_version)
+        completions = parse_completions(answer, server.version)
+        self.completions_done += len(completions)
+        self.tokens_done += sum(len(c.token_ids) for c in completions)
+        return completions
+
+    async def group(self, example: Example, group_id: str, *, min_version: int, seed: int,
+                    n: int | None = None, **sampling: Any) -> Group:
+        n = n or self.num_generations
+
+        async def generate(prompt: str, *, n: int, **kw: Any) -> list[Completion]:
+            return await self.generate(prompt, n=n, min_version=min_version, **{"seed": seed, **kw})
+
+        completions = await self.env.rollout(generate, example, n, **sampling)
+        scored = await asyncio.gather(*(self.env.score(example, c) for c in completions))
+        rewards = [total for total, _ in scored]
+        versions = [min(c.versions) if c.versions else min_version for c in completions]
+        return Group(
+            example=example,
+            group_id=group_id,
+            completions=completions,
+            rewards=rewards,
+            reward_parts=[parts for _, parts in scored],
+            advantages=group_advantages(rewards, self.advantage),
+            policy_versions=versions,
+            info={"created_at": time.time()},
+        )
+
+    async def groups_for_step(self, step: int, min_version: int) -> list[Group]:
+        """The step's fresh groups; a group with a sample older than `min_version` is redone."""
+        examples = self.examples_for_step(step)
+
+        async def one(j: int, example: Example) -> Group:
+            for attempt in range(3):
+                group = await self.group(
+                    example, f"s{step}-g{j}", min_version=min_version,
+                    seed=derive_seed(self.seed, step, j, attempt),
+                )
+                if min(group.policy_versions) >= min_version:
+                    return group
+            raise RuntimeError(
+                f"group {j} of step {step} kept coming back with weights older than version "
+                f"{min_version} (got {group.policy_versions}); is an inference server mislabelled?"
+            )
+
+        return list(await asyncio.gather(*(one(j, ex) for j, ex in enumerate(examples))))
+
+
+def batch_payload(step: int, groups: Sequence[Group], env_name: str, started_at: float) -> dict[str, Any]:
+    samples = [s for g in groups for s in g.samples(env_name)]
+    sealed_at = time.time()
+    return {"step": step, "samples": samples, "stats": batch_stats(step, samples, started_at, sealed_at)}
+
+
+def batch_stats(step: int, samples: list[dict[str, Any]], started_at: float, sealed_at: float) -> dict[str, Any]:
+    rewards = np.array([s["reward"] for s in samples], dtype=float)
+    staleness = [step - s["policy_version"] for s in samples]
+    finish: dict[str, int] = {}
+    versions: dict[str, int] = {}
+    parts: dict[str, list[float]] = {}
+    for s in samples:
+        finish[s["finish_reason"]] = finish.get(s["finish_reason"], 0) + 1
+        key = str(s["policy_version"])
+        versions[key] = versions.get(key, 0) + 1
+        for name, value in s["rewards"].items():
+            parts.setdefault(name, []).append(value)
+    return {
+        "step": step,
+        "num_samples": len(samples),
+        "num_groups": len({s["group_id"] for s in samples}),
+        "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+        "staleness_max": int(max(staleness, default=0)),
+        "staleness_min": int(min(staleness, default=0)),
+        "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
+        "reward_std": float(rewards.std()) if len(rewards) else 0.0,
+        "rewards_mean": {k: float(np.mean(v)) for k, v in parts.items()},
+        "completion_tokens_mean": float(np.mean([len(s["completion_token_ids"]) for s in samples])) if samples else 0.0,
+        "finish_reasons": finish,
+        "policy_versions": versions,
+        "generation_started_at": started_at,
+        "sealed_at": sealed_at,
+        "generation_seconds": sealed_at - started_at,
+    }

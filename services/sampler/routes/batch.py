@@ -1,0 +1,103 @@
+"""GET /batch: long-poll for a sealed batch (DESIGN section 3).
+
+200 the batch (the same bytes on every read until trimmed), 204 when `timeout` passes
+first, 409 when the published version is too old for the batch ever to be generated,
+410 when the batch was trimmed, 422 for malformed parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+
+from shared import codec
+from services.sampler.deps import State
+
+router = APIRouter(tags=["batch"])
+
+
+def rank_share(samples: list[dict[str, Any]], rank: int, world_size: int) -> list[dict[str, Any]]:
+    """This rank's contiguous share; whole groups per rank when the group count allows."""
+    if world_size == 1:
+        return samples
+    total = len(samples)
+    if total % world_size:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_ENTITY,
+            detail=f"a batch of {total} samples cannot be split evenly over world_size={world_size}",
+        )
+    share = total // world_size
+    # Contiguous equal slices keep groups whole whenever share is a multiple of the group
+    # size (samples are stored group by group); otherwise groups are split, unavoidably.
+    return samples[rank * share:(rank + 1) * share]
+
+
+@router.get(
+    "/batch",
+    responses={
+        200: {"description": "the sealed batch (JSON, or msgpack with Accept: application/msgpack)"},
+        204: {"description": "not sealed within `timeout` seconds: ask again"},
+        409: {"description": "the published weights version is too old for this batch"},
+        410: {"description": "the batch was trimmed"},
+    },
+)
+async def get_batch(
+    state: State,
+    step: Annotated[int, Query(ge=0, le=2**53, description="the trainer step N")],
+    timeout: Annotated[float, Query(ge=0, le=86400, description="seconds to wait; capped by max_poll_timeout")] = 30.0,
+    rank: Annotated[int, Query(ge=0, le=65535)] = 0,
+    world_size: Annotated[int, Query(ge=1, le=65536)] = 1,
+    accept: Annotated[str | None, Header()] = None,
+) -> Response:
+    if rank >= world_size:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=f"rank {rank} must be < world_size {world_size}")
+    timeout = min(timeout, state.settings.max_poll_timeout)
+    deadline = time.monotonic() + timeout
+    store, notifier = state.store, state.notifier
+    while True:
+        changed = notifier.changed()
+        payload = await store.get_batch(step)
+        if payload is not None:
+            return _batch_response(payload, rank, world_size, accept)
+        meta = await store.meta()
+        if step < meta["trimmed_below"]:
+            raise HTTPException(
+                status.HTTP_410_GONE,
+                detail=f"batch {step} was trimmed: the sampler keeps batches from step "
+                f"{meta['trimmed_below']} on ({state.settings.keep_batches} behind the published version)",
+            )
+        required = state.strategy.required_version(step)
+        if meta["version"] < required:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail={
+                    "message": f"batch {step} needs weights version >= {required}, but the "
+                    f"published version is {meta['version']}: POST /weights_version with version "
+                    f">= {required} before asking for this batch",
+                    "required_version": required,
+                    "published_version": meta["version"],
+                },
+            )
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
+        try:
+            await asyncio.wait_for(changed.wait(), remaining)
+        except TimeoutError:
+            pass
+
+
+def _batch_response(payload: bytes, rank: int, world_size: int, accept: str | None) -> Response:
+    as_msgpack = codec.wants_msgpack(accept)
+    if world_size == 1 and as_msgpack:
+        return Response(payload, media_type=codec.MSGPACK)
+    batch = codec.unpack(payload)
+    if world_size > 1:
+        batch["samples"] = rank_share(batch["samples"], rank, world_size)
+        batch["rank"], batch["world_size"] = rank, world_size
+    if as_msgpack:
+        return Response(codec.pack(batch), media_type=codec.MSGPACK)
+    return Response(codec.dumps_json(batch), media_type=codec.JSON)

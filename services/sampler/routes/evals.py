@@ -1,0 +1,33 @@
+"""POST /eval and GET /eval/{eval_id}: evaluation jobs on the latest served weights."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, status
+
+from shared.wire import EvalAccepted, EvalRequest, EvalResult
+from services.sampler.deps import Authorized, State
+
+router = APIRouter(tags=["eval"])
+
+
+@router.post("/eval", status_code=status.HTTP_202_ACCEPTED, response_model=EvalAccepted, dependencies=[Authorized])
+async def start_eval(body: EvalRequest, state: State) -> EvalAccepted:
+    try:
+        eval_id = await state.evals.start(body.model_dump())
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=str(exc)) from None
+    return EvalAccepted(eval_id=eval_id)
+
+
+@router.get("/eval/{eval_id}", response_model=EvalResult, responses={404: {"description": "unknown eval id"}})
+async def get_eval(
+    state: State,
+    eval_id: Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")],
+    timeout: Annotated[float, Query(ge=0, le=86400, description="seconds to wait for done/failed")] = 0.0,
+) -> EvalResult:
+    record = await state.evals.wait(eval_id, min(timeout, state.settings.max_poll_timeout))
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no eval with id {eval_id!r}")
+    return EvalResult.model_validate(record)

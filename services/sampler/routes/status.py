@@ -1,0 +1,77 @@
+"""GET /status: one JSON snapshot of the run for curl users, dashboards and trainers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter
+
+from services.sampler.deps import State
+
+router = APIRouter(tags=["status"])
+
+
+@router.get("/status")
+async def get_status(state: State) -> dict[str, Any]:
+    s = state.settings
+    meta = await state.store.meta()
+    sealed = await state.store.sealed_steps()
+    recent = await state.store.recent_batch_stats(50)
+    pool = state.pool
+    uptime = time.time() - state.started_at
+    last = recent[-1] if recent else None
+    ready = [step for step in sealed if step >= meta["version"]]
+    return {
+        "config": {
+            "namespace": s.namespace,
+            "env": s.env,
+            "strategy": state.strategy.name,
+            "prompts_per_step": s.prompts_per_step,
+            "num_generations": s.num_generations,
+            "batch_size": s.batch_size,
+            "max_staleness": s.staleness,
+            "on_policy": s.staleness == 0,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_tokens": s.max_tokens,
+            "max_concurrency": s.max_concurrency,
+            "advantage": s.advantage,
+            "seed": s.seed,
+            "keep_batches": s.keep_batches,
+            "inference_urls": s.inference_urls,
+        },
+        "steps": {
+            **state.producer.snapshot(),
+            "sealed_steps": sealed,
+            "trimmed_below": meta["trimmed_below"],
+        },
+        "queues": {
+            "batches_ready": len(ready),
+            "batches_in_progress": len(state.producer.in_progress),
+            "in_flight_requests": pool.in_flight,
+        },
+        "versions": {
+            "published": meta["version"],
+            "checkpoint_path": meta["checkpoint_path"],
+            "min_served": pool.min_version(),
+            "servers": {srv.url: srv.version for srv in pool.servers},
+        },
+        "staleness": {
+            "last_batch_mean": last["staleness_mean"] if last else None,
+            "last_batch_max": last["staleness_max"] if last else None,
+            "recent_mean": (sum(b["staleness_mean"] for b in recent) / len(recent)) if recent else None,
+        },
+        "throughput": {
+            "completions": state.rollouts.completions_done,
+            "completion_tokens": state.rollouts.tokens_done,
+            "completions_per_second": state.rollouts.completions_done / uptime if uptime > 0 else 0.0,
+            "tokens_per_second": state.rollouts.tokens_done / uptime if uptime > 0 else 0.0,
+            "retries": pool.stats.retries,
+            "errors": pool.stats.errors,
+        },
+        "inference_servers": [srv.snapshot() for srv in pool.servers],
+        "recent_batches": recent[-20:],
+        "redis": {"url": state.redis_url.split("@")[-1], "embedded": state.embedded is not None},
+        "uptime_seconds": uptime,
+    }

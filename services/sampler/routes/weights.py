@@ -1,0 +1,69 @@
+"""GET/POST /weights_version: the published weights version and what each server serves."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, status
+
+from shared.wire import ServerVersion, WeightsVersion, WeightsVersionRequest
+from services.sampler.deps import Authorized, State
+from services.sampler.state import SamplerState
+
+router = APIRouter(tags=["weights"])
+
+
+async def _current(state: SamplerState) -> WeightsVersion:
+    meta = await state.store.meta()
+    servers = [ServerVersion(**{**s.snapshot(), "url": s.url}) for s in state.pool.servers]
+    return WeightsVersion(
+        version=meta["version"],
+        checkpoint_path=meta["checkpoint_path"],
+        servers=servers,
+        min_served_version=state.pool.min_version(),
+        trimmed_below=meta["trimmed_below"],
+    )
+
+
+@router.get("/weights_version", response_model=WeightsVersion)
+async def get_weights_version(state: State) -> WeightsVersion:
+    return await _current(state)
+
+
+@router.post(
+    "/weights_version",
+    response_model=WeightsVersion,
+    dependencies=[Authorized],
+    responses={409: {"description": "lower than the published version"},
+               422: {"description": "the inference servers could not load the checkpoint"},
+               502: {"description": "no inference server could be synced"}},
+)
+async def post_weights_version(body: WeightsVersionRequest, state: State) -> WeightsVersion:
+    sync = state.weight_sync
+    async with sync.lock:
+        published = await state.store.version()
+        if body.version < published:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=f"version {body.version} is lower than the published version {published}: "
+                "versions only move forward",
+            )
+        if body.checkpoint_path:
+            behind = [s for s in state.pool.servers if s.version is None or s.version < body.version]
+            results = await sync.sync_all(body.version, body.checkpoint_path, behind)
+            failed = [r for r in results if not r.ok]
+            if failed and len(failed) == len(results):
+                errors = "; ".join(f"{r.url}: {r.error}" for r in failed)
+                code = status.HTTP_422_UNPROCESSABLE_ENTITY if all(r.client_error for r in failed) \
+                    else status.HTTP_502_BAD_GATEWAY
+                raise HTTPException(code, detail=f"no inference server loaded {body.checkpoint_path!r}: {errors}")
+        elif body.version > published:
+            await sync.record_pushed(body.version)
+        outcome, previous = await state.store.publish_version(body.version, body.checkpoint_path)
+        if outcome == 0:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=f"version {body.version} is lower than the published version {previous}",
+            )
+        if outcome == 2:
+            await state.store.trim_below(body.version - state.settings.keep_batches)
+        state.notifier.notify()
+    return await _current(state)

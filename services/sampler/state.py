@@ -1,0 +1,41 @@
+"""The sampler's runtime state, owned by the app's lifespan and handed to routes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+import redis.asyncio as aioredis
+
+from services.sampler.config import SamplerSettings
+from services.sampler.evals import Evals
+from services.sampler.inference_pool import InferencePool
+from services.sampler.notify import Notifier
+from services.sampler.producer import Producer
+from services.sampler.redis_server import EmbeddedRedis
+from services.sampler.rollout import Rollouts
+from services.sampler.store import Store
+from services.sampler.strategy import Strategy
+from services.sampler.weight_sync import WeightSync
+
+
+@dataclass
+class SamplerState:
+    settings: SamplerSettings
+    redis: aioredis.Redis
+    redis_url: str
+    embedded: EmbeddedRedis | None
+    store: Store
+    notifier: Notifier
+    http: httpx.AsyncClient
+    pool: InferencePool
+    rollouts: Rollouts
+    strategy: Strategy
+    producer: Producer
+    weight_sync: WeightSync
+    evals: Evals
+    rollouts_for: Callable[[str | None], Rollouts]
+    started_at: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)

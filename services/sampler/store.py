@@ -1,0 +1,131 @@
+"""Durable sampler state in Redis: sealed batches, the published version, servers, stats.
+
+Invariants:
+* A sealed batch is written once (`SET NX` inside a Lua script that also records the
+  step and announces it); re-sealing the same step is a no-op, so writes are idempotent.
+* Readers never pop: `get_batch` returns the same bytes until the step is trimmed.
+* The published version only moves forward (compare-and-set in Lua).
+* Memory is bounded: batches more than `keep_batches` behind the published version are
+  deleted, and the stats stream is capped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from services.sampler.keys import Keys
+
+# KEYS: batch, sealed, meta. ARGV: step, payload, channel.
+# Returns 1 when sealed now, 0 when it was already sealed, -1 when the step was trimmed.
+_SEAL = """
+local trimmed = tonumber(redis.call('HGET', KEYS[3], 'trimmed_below') or '0')
+if tonumber(ARGV[1]) < trimmed then return -1 end
+if redis.call('SET', KEYS[1], ARGV[2], 'NX') then
+  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+  redis.call('PUBLISH', ARGV[3], 'sealed:' .. ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# KEYS: meta. ARGV: version, checkpoint_path ('' for none), channel.
+# Returns {outcome, previous}: outcome 2 = advanced, 1 = same version again, 0 = refused (lower).
+_PUBLISH = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+local v = tonumber(ARGV[1])
+if v < cur then return {0, cur} end
+if v == cur then return {1, cur} end
+redis.call('HSET', KEYS[1], 'version', v, 'checkpoint_path', ARGV[2], 'published_at', ARGV[4])
+redis.call('PUBLISH', ARGV[3], 'version:' .. v)
+return {2, cur}
+"""
+
+# KEYS: meta, sealed. ARGV: trim_below, prefix. Deletes batches below trim_below.
+_TRIM = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'trimmed_below') or '0')
+local upto = tonumber(ARGV[1])
+if upto <= cur then return 0 end
+local steps = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. upto)
+for _, s in ipairs(steps) do redis.call('DEL', ARGV[2] .. 'batch:' .. s) end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. upto)
+redis.call('HSET', KEYS[1], 'trimmed_below', upto)
+return #steps
+"""
+
+
+class Store:
+    def __init__(self, client: aioredis.Redis, keys: Keys, stats_cap: int = 2000):
+        self.r = client
+        self.keys = keys
+        self.stats_cap = stats_cap
+        self._seal = client.register_script(_SEAL)
+        self._publish = client.register_script(_PUBLISH)
+        self._trim = client.register_script(_TRIM)
+
+    # --- batches -------------------------------------------------------------------
+
+    async def seal(self, step: int, payload: bytes) -> int:
+        k = self.keys
+        return int(await self._seal(keys=[k.batch(step), k.sealed, k.meta], args=[step, payload, k.events]))
+
+    async def get_batch(self, step: int) -> bytes | None:
+        return await self.r.get(self.keys.batch(step))
+
+    async def is_sealed(self, step: int) -> bool:
+        return await self.r.zscore(self.keys.sealed, step) is not None
+
+    async def sealed_steps(self) -> list[int]:
+        return [int(s) for s in await self.r.zrange(self.keys.sealed, 0, -1)]
+
+    async def trim_below(self, step: int) -> int:
+        return int(await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix]))
+
+    # --- versions ------------------------------------------------------------------
+
+    async def meta(self) -> dict[str, Any]:
+        raw = await self.r.hgetall(self.keys.meta)
+        meta = {k.decode(): v.decode() for k, v in raw.items()}
+        return {
+            "version": int(meta.get("version", 0)),
+            "checkpoint_path": meta.get("checkpoint_path") or None,
+            "trimmed_below": int(meta.get("trimmed_below", 0)),
+            "published_at": float(meta["published_at"]) if "published_at" in meta else None,
+        }
+
+    async def version(self) -> int:
+        value = await self.r.hget(self.keys.meta, "version")
+        return int(value) if value is not None else 0
+
+    async def publish_version(self, version: int, checkpoint_path: str | None) -> tuple[int, int]:
+        """(outcome, previous): outcome 2 advanced, 1 repeated, 0 refused as lower."""
+        outcome, previous = await self._publish(
+            keys=[self.keys.meta], args=[version, checkpoint_path or "", self.keys.events, time.time()]
+        )
+        return int(outcome), int(previous)
+
+    # --- inference servers ------------------------------------------------------------
+
+    async def set_server(self, url: str, info: dict[str, Any]) -> None:
+        await self.r.hset(self.keys.servers, url, json.dumps(info))
+
+    async def servers(self) -> dict[str, dict[str, Any]]:
+        raw = await self.r.hgetall(self.keys.servers)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    # --- stats and events --------------------------------------------------------------
+
+    async def add_batch_stats(self, stats: dict[str, Any]) -> None:
+        await self.r.xadd(
+            self.keys.batch_stats, {"json": json.dumps(stats)}, maxlen=self.stats_cap, approximate=True
+        )
+
+    async def recent_batch_stats(self, count: int = 200) -> list[dict[str, Any]]:
+        entries = await self.r.xrevrange(self.keys.batch_stats, count=count)
+        return [json.loads(fields[b"json"]) for _, fields in reversed(entries)]
+
+    async def announce(self, message: str) -> None:
+        await self.r.publish(self.keys.events, message)

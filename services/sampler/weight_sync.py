@@ -1,0 +1,199 @@
+"""Weight sync: load a checkpoint into every inference server and record what each serves.
+
+For one server: pause(keep) -> collective_rpc reload_weights -> update_weight_version ->
+reset_prefix_cache -> resume. Requests frozen by the pause continue on the new weights
+after resume, and vLLM's `weight_versions` spans tell which tokens came from which
+version. Resume runs whatever happened before it, and is retried until it succeeds:
+a server must never be left paused. While a server syncs, new requests go elsewhere.
+
+Versions are labelled with the decimal string of the integer version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from services.sampler.inference_pool import InferencePool, Server
+from services.sampler.store import Store
+
+log = logging.getLogger("tandem.sampler.weights")
+
+
+class SyncStepError(RuntimeError):
+    def __init__(self, step: str, status: int | None, message: str):
+        self.step = step
+        self.status = status
+        super().__init__(f"{step}: {message}")
+
+
+@dataclass
+class SyncResult:
+    url: str
+    ok: bool
+    version: int | None
+    seconds: float
+    error: str | None = None
+    client_error: bool = False  # the server refused the checkpoint (4xx): our caller's input is bad
+
+
+def parse_version_label(body: Any) -> int | None:
+    """An integer version out of /weight_info's answer, or None when unlabelled."""
+    if isinstance(body, dict):
+        for key in ("weight_version", "version", "current_version"):
+            if key in body:
+                return parse_version_label(body[key])
+        return None
+    if isinstance(body, (int, float)) and not isinstance(body, bool):
+        return int(body)
+    if isinstance(body, str) and body.strip().lstrip("-").isdigit():
+        return int(body.strip())
+    return None
+
+
+class WeightSync:
+    def __init__(self, pool: InferencePool, store: Store, *, step_timeout: float = 300.0,
+                 resume_deadline: float = 60.0):
+        self.pool = pool
+        self.store = store
+        self.step_timeout = step_timeout
+        self.resume_deadline = resume_deadline
+        self.lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+
+    async def _call(self, server: Server, step: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self.pool.http.request(method, server.url + path, timeout=self.step_timeout, **kwargs)
+        except httpx.TransportError as exc:
+            raise SyncStepError(step, None, f"{type(exc).__name__}: {exc}") from None
+        if response.status_code >= 400:
+            raise SyncStepError(step, response.status_code, f"HTTP {response.status_code}: {response.text[:300]}")
+        return response
+
+    async def resume(self, server: Server) -> bool:
+        """Resume, retrying until it works or `resume_deadline` passes; then keep trying in the background."""
+        deadline = time.monotonic() + self.resume_deadline
+        delay = 0.1
+        while True:
+            try:
+                await self._call(server, "resume", "POST", "/resume")
+                return True
+            except SyncStepError as exc:
+                if time.monotonic() > deadline:
+                    log.error("resume of %s still failing after %.0fs (%s); retrying in the background",
+                              server.url, self.resume_deadline, exc)
+                    task = asyncio.create_task(self._resume_forever(server), name=f"resume-{server.url}")
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+                    return False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _resume_forever(self, server: Server) -> None:
+        while True:
+            try:
+                await self._call(server, "resume", "POST", "/resume")
+                log.info("resumed %s after a failed sync", server.url)
+                return
+            except SyncStepError:
+                await asyncio.sleep(5.0)
+
+    async def sync_server(self, server: Server, version: int, checkpoint_path: str) -> SyncResult:
+        started = time.monotonic()
+        server.syncing = True
+        error: SyncStepError | None = None
+        paused = False
+        try:
+            await self._call(server, "pause", "POST", "/pause", params={"mode": "keep"})
+            paused = True
+            await self._call(server, "reload_weights", "POST", "/collective_rpc",
+                             json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_path}})
+            await self._call(server, "update_weight_version", "POST", "/update_weight_version",
+                             json={"new_version": str(version)})
+            await self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache")
+        except SyncStepError as exc:
+            error = exc
+        finally:
+            # Even when pause itself failed, the server may have paused: resume regardless.
+            resumed = await self.resume(server)
+            server.syncing = False
+        seconds = time.monotonic() - started
+        if error is None and resumed:
+            server.last_sync_seconds = seconds
+            server.last_error = None
+            self.pool.set_version(server.url, version)
+            await self._record(server)
+            log.info("server %s now serves version %d (sync %.2fs)", server.url, version, seconds)
+            return SyncResult(server.url, True, version, seconds)
+        message = str(error) if error else "resume failed"
+        server.last_error = f"weight sync to version {version} failed at {message}"
+        await self._record(server)
+        log.error("weight sync of %s failed: %s (paused=%s)", server.url, message, paused)
+        client_error = bool(error and error.status is not None and 400 <= error.status < 500
+                            and error.step == "reload_weights")
+        return SyncResult(server.url, False, server.version, seconds, message, client_error)
+
+    async def sync_all(self, version: int, checkpoint_path: str, servers: list[Server] | None = None) -> list[SyncResult]:
+        targets = servers if servers is not None else self.pool.servers
+        return list(await asyncio.gather(*(self.sync_server(s, version, checkpoint_path) for s in targets)))
+
+    async def record_pushed(self, version: int) -> None:
+        """The trainer pushed weights itself: every server now serves `version`.
+
+        The servers' version labels are updated too (best effort), so that the
+        `weight_versions` spans of new tokens name the version that produced them.
+        """
+
+        async def relabel(server: Server) -> None:
+            try:
+                await self._call(server, "update_weight_version", "POST", "/update_weight_version",
+                                 json={"new_version": str(version)})
+            except SyncStepError as exc:
+                log.warning("could not relabel %s as version %d: %s", server.url, version, exc)
+            self.pool.set_version(server.url, version)
+            await self._record(server)
+
+        await asyncio.gather(*(relabel(s) for s in self.pool.servers))
+
+    async def _record(self, server: Server) -> None:
+        await self.store.set_server(server.url, {
+            "version": server.version, "error": server.last_error,
+            "last_sync_seconds": server.last_sync_seconds, "updated_at": time.time(),
+        })
+
+    async def discover(self, server: Server, published: int, checkpoint_path: str | None) -> None:
+        """Learn what a server serves at start-up; bring it up to the published version if we can."""
+        delay = 0.2
+        while True:
+            try:
+                response = await self.pool.http.get(server.url + "/weight_info", timeout=10)
+                if response.status_code == 200:
+                    label = parse_version_label(response.json())
+                    break
+                if response.status_code == 404:
+                    label = None  # a server without dev-mode endpoints: trust the published version
+                    break
+                server.last_error = f"/weight_info answered {response.status_code}"
+            except (httpx.TransportError, ValueError) as exc:
+                server.last_error = f"unreachable: {type(exc).__name__}: {exc}".rstrip(": ")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        server.last_error = None
+        if label is None:
+            label = published if (published == 0 or checkpoint_path is None) else None
+        if label is not None and label >= published:
+            self.pool.set_version(server.url, label)
+            await self._record(server)
+            return
+        if checkpoint_path:
+            log.info("server %s serves %s, published is %d: loading %s", server.url, label, published, checkpoint_path)
+            async with self.lock:
+                await self.sync_server(server, published, checkpoint_path)
+        else:
+            self.pool.set_version(server.url, label)
+            await self._record(server)

@@ -1,0 +1,178 @@
+"""Start real servers on free ports and wait until they answer.
+
+* `UvicornThread(app).start()` serves an ASGI app from a background thread (its own
+  event loop); `.url`, `.stop()`.
+* `ServiceProcess([...argv], name=..., ready_url=...)` runs a command in its own process
+  group (so `kill -9` drills are real), logs to a file, `.wait_ready()`, `.kill()`,
+  `.terminate()`, `.log_tail()`.
+* `start_redis(dir)` runs a private `redis-server` (never the machine's 6379).
+* `start_sampler_process(...)` / `start_standin(...)` are the usual combinations.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, what: str, proc: "ServiceProcess | None" = None) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.popen.returncode} before answering {url}:\n{proc.log_tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    tail = f"\n{proc.log_tail()}" if proc is not None else ""
+    raise TimeoutError(f"{what} did not answer {url} within {timeout}s (last error: {last!r}){tail}")
+
+
+class UvicornThread:
+    def __init__(self, app: Any, port: int | None = None, host: str = "127.0.0.1"):
+        self.port = port or free_port()
+        self.host = host
+        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "UvicornThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"server on port {self.port} failed to start (see the log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server on port {self.port} did not start within {timeout}s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+class ServiceProcess:
+    def __init__(self, argv: list[str], *, name: str, log_path: Path, env: dict[str, str] | None = None,
+                 ready_url: str | None = None):
+        self.name = name
+        self.log_path = log_path
+        self.ready_url = ready_url
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                      cwd=REPO, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def wait_ready(self, timeout: float = 60.0) -> "ServiceProcess":
+        if self.ready_url:
+            wait_http(self.ready_url, timeout, self.name, self)
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, no cleanup: the crash drill."""
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(10)
+        self._log.close()
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+
+def start_redis(data_dir: Path) -> tuple[ServiceProcess, str]:
+    """A private redis-server with AOF on, on a free port."""
+    from services.sampler.redis_server import redis_binary
+
+    port = free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    proc = ServiceProcess(
+        [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+         "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
+        name="redis-server", log_path=data_dir / "redis.log",
+    )
+    import redis
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if redis.Redis(port=port, socket_timeout=1).ping():
+                break
+        except redis.RedisError:
+            if time.monotonic() > deadline or proc.popen.poll() is not None:
+                raise RuntimeError(f"redis-server did not start:\n{proc.log_tail()}")
+            time.sleep(0.02)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def start_standin(token_latency: float = 0.0, version: str = "0") -> UvicornThread:
+    from services.inference.standin import create_standin_app
+
+    return UvicornThread(create_standin_app(token_latency, version)).start()
+
+
+def sampler_argv(port: int, **settings: Any) -> list[str]:
+    argv = [sys.executable, "-m", "services.cli", "sampler", "--port", str(port)]
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, ",".join(map(str, value))]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def start_sampler_process(run_dir: Path, *, port: int | None = None, **settings: Any) -> ServiceProcess:
+    port = port or free_port()
+    proc = ServiceProcess(
+        sampler_argv(port, run_dir=run_dir, **settings), name="sampler",
+        log_path=run_dir / "sampler.log", ready_url=f"http://127.0.0.1:{port}/health",
+    )
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return proc.wait_ready()
