@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -183,6 +184,15 @@ def load_model(path: str | Path, dtype: Any, device: Any) -> Any:
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device)
+
+
+def batch_digest(batch: Batch) -> str:
+    """A short fingerprint of this rank's share: equal digests = the same training data."""
+    h = hashlib.sha256()
+    for smp in batch.samples:
+        h.update(json.dumps([smp.prompt_id, smp.prompt_token_ids, smp.completion_token_ids,
+                             smp.advantage]).encode())
+    return h.hexdigest()[:16]
 
 
 def batch_stats(batch: Batch, step: int) -> dict[str, float]:
@@ -407,6 +417,7 @@ class Trainer:
                         "batch_staleness_mean": batch.stats.staleness_mean,
                         "batch_staleness_max": batch.stats.staleness_max,
                         "samples": int(stats["n"]),
+                        "batch_digest": batch_digest(batch),  # rank 0's share
                         "completion_tokens_mean": stats["completion_tokens"] / n,
                         "truncated_fraction": stats["truncated"] / n,
                         "batch_wait_s": wait_s, "train_s": train_s,

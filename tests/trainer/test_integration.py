@@ -1,0 +1,167 @@
+"""The trainer against the real sampler (a subprocess, embedded Redis) and the real CPU
+inference server (in-process, serving the tiny model and reloading every checkpoint).
+
+The sampler runs `tests.trainer.letter_env:LetterEnv`, so these tests depend only on the
+sampler's environment interface, not on a particular built-in task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer import checkpoint as ckpt
+from services.trainer.config import TrainerSettings
+from services.trainer.entrypoint import main as trainer_main
+from services.trainer.trainer import batch_digest, train
+from shared.client import SamplerClient
+from shared.settings import build
+
+from tests.support.servers import REPO, UvicornThread, free_port, start_sampler_process
+
+ENV = "tests.trainer.letter_env:LetterEnv"
+TOKEN = "trainer-test-token"
+
+
+@pytest.fixture
+def stack(tmp_path: Path, tiny_model_dir: Path):
+    """(sampler process, inference thread): 2 prompts x 4 generations, k = 1, 8 tokens."""
+    from services.inference.config import InferenceSettings
+    from services.inference.server import create_app
+
+    inference = UvicornThread(create_app(InferenceSettings(model=str(tiny_model_dir)))).start()
+    sampler = start_sampler_process(
+        tmp_path / "sampler", inference_urls=[inference.url], env=ENV, prompts_per_step=2,
+        num_generations=4, max_tokens=8, max_staleness=1, temperature=1.0, eval_examples=8, api_token=TOKEN,
+    )
+    try:
+        yield sampler, inference
+    finally:
+        # SIGKILL (the whole process group, embedded Redis included): every test has its own
+        # run directory, and a graceful sampler shutdown costs seconds per test.
+        sampler.kill()
+        inference.stop()
+
+
+def _settings(tiny_model_dir: Path, sampler, run_dir: Path, **overrides) -> TrainerSettings:
+    values = dict(model=str(tiny_model_dir), sampler_url=sampler.url, run_dir=str(run_dir), api_token=TOKEN,
+                  per_device_batch_size=4, grad_accum_steps=2, max_steps=3, learning_rate=1e-3,
+                  progress=False, keep_checkpoints=2)
+    values.update(overrides)
+    return build(TrainerSettings, {k: str(v) for k, v in values.items()})
+
+
+def _records(run_dir: Path, event: str) -> list[dict]:
+    lines = (run_dir / "trainer_metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+async def _digests(url: str, steps: range) -> list[str]:
+    async with SamplerClient(url, api_token=TOKEN) as client:
+        return [batch_digest(await client.get_batch(step, timeout=60)) for step in steps]
+
+
+async def test_trains_checkpoints_publishes_and_evaluates(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    summary = await train(_settings(tiny_model_dir, sampler, run_dir, eval_every=2))
+
+    assert summary["steps"] == 3 and summary["final_version"] == 3
+    assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
+    assert [e["label"] for e in summary["evals"]].count("periodic") == 1
+    assert 0.0 <= summary["trainer_wait_fraction"] <= 1.0
+    assert json.loads((run_dir / "trainer_summary.json").read_text())["final_version"] == 3
+
+    steps = _records(run_dir, "step")
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        assert r["samples"] == 8 and r["loss_tokens"] > 0 and r["grad_norm"] >= 0
+        assert 0 <= r["staleness_max"] <= 1  # max_staleness = 1
+        assert 0 < r["is_weight_max"] <= 2.0
+    # Samples produced by the very weights being trained have no behaviour mismatch.
+    assert steps[0]["staleness_max"] == 0 and steps[0]["behaviour_mismatch"] < 1e-4
+    # It trained on exactly the sampler's batches 0..2.
+    assert [r["batch_digest"] for r in steps] == await _digests(sampler.url, range(3))
+
+    # keep_checkpoints = 2; the newest is version 3 and the sampler loaded it everywhere.
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1, 2]
+    async with SamplerClient(sampler.url) as client:
+        served = await client.weights_version()
+    assert served.version == 3
+    assert Path(served.checkpoint_path) == run_dir / "checkpoints" / "step-2"
+    assert all(server.version == 3 for server in served.servers), served.servers
+
+    from safetensors.torch import load_file
+
+    start = load_file(tiny_model_dir / "model.safetensors")
+    final = load_file(run_dir / "checkpoints" / "step-2" / "model.safetensors")
+    changed = [name for name in start if not torch.equal(start[name], final[name])]
+    assert len(changed) == len(start), sorted(set(start) - set(changed))
+
+
+async def test_resume_continues_with_the_same_batches(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    first = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=2, eval_at_end=False))
+    assert first["final_version"] == 2
+    step1 = ckpt.step_path(run_dir, 1)
+    # What any trainer gets for steps 2 and 3 from this sampler (batches are keyed by step).
+    expected = await _digests(sampler.url, range(2, 4))
+
+    second = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=4, eval_at_start=False))
+    assert second["start_step"] == 2 and second["steps"] == 2 and second["final_version"] == 4
+    starts = _records(run_dir, "start")
+    assert starts[-1]["resumed_from"] == str(step1) and starts[-1]["start_step"] == 2
+    steps = _records(run_dir, "step")
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]  # nothing repeated, nothing skipped
+    assert [r["batch_digest"] for r in steps[2:]] == expected
+    # The resumed run continued AdamW from the saved state: step counts keep growing.
+    state = torch.load(ckpt.step_path(run_dir, 3) / ckpt.OPTIMIZER_FILE)
+    assert all(s["step"] == 4 for s in state["state"].values())
+
+
+def test_cli_refuses_a_batch_shape_mismatch(stack, tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    sampler, _ = stack
+    code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url,
+                         "--run-dir", str(tmp_path / "t"), "--per-device-batch-size", "3",
+                         "--grad-accum-steps", "2", "--no-progress"], prog="tandem trainer")
+    assert code == 2
+    err = capsys.readouterr().err
+    for needle in ("per_device_batch_size (3)", "grad_accum_steps (2)", "world_size (1)", "= 6",
+                   "prompts_per_step (2)", "num_generations (4)", "= 8"):
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "t" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            "-m", "services.cli", "trainer", "--model", str(tiny_model_dir), "--sampler-url", sampler.url,
+            "--api-token", TOKEN, "--run-dir", str(run_dir), "--per-device-batch-size", "2",
+            "--grad-accum-steps", "2", "--max-steps", "2", "--learning-rate", "1e-3", "--device", "cpu",
+            "--no-progress", "--no-eval-at-start", "--no-eval-at-end"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    steps = _records(run_dir, "step")
+    assert [r["step"] for r in steps] == [0, 1]
+    assert all(r["samples"] == 8 for r in steps)  # both ranks' shares, reduced
+    assert _records(run_dir, "start")[0]["world_size"] == 2
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [0, 1]
+    served = asyncio.run(_served_version(sampler.url))
+    assert served == 2
+
+
+async def _served_version(url: str) -> int:
+    async with SamplerClient(url) as client:
+        return (await client.weights_version()).version
