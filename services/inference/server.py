@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.inference import protocol as P
 from services.inference.config import InferenceSettings
 from services.inference.engine import Engine, RequestError
+from services.inference.metrics import InferenceMetrics
 
 log = logging.getLogger("tandem.inference.server")
 
@@ -125,6 +126,7 @@ def create_app(settings: InferenceSettings, engine: Engine | None = None) -> Fas
                 Engine.load, settings.model,
                 max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
                 weight_version=settings.weight_version, seed=settings.seed,
+                metrics=InferenceMetrics(settings.model_id),
             )
         app.state.engine = eng
         await eng.start()

@@ -1,0 +1,32 @@
+"""Fixtures for the inference tests: a tiny model written by init-model, and real CPU
+inference servers (uvicorn on a free port, in-process) started with the public helper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from services.inference.init_model import init_model
+from services.inference.testing import ServerHandle, start_server
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path) -> Iterator[ServerHandle]:
+    """Shared by the read-only tests; tests that pause, reload or relabel use `fresh_server`."""
+    handle = start_server(tiny_model, served_model_name="tiny")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def fresh_server(tiny_model: Path) -> Iterator[ServerHandle]:
+    handle = start_server(tiny_model, served_model_name="tiny")
+    yield handle
+    handle.stop()

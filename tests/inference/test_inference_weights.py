@@ -1,0 +1,111 @@
+"""Weight updates: reload_weights from an HF checkpoint dir, version labels, and the full
+sampler sequence pause(keep) -> reload -> update_weight_version -> reset_prefix_cache -> resume."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.inference.testing import ServerHandle
+
+
+def _greedy(url: str, **extra) -> dict:
+    body = {"prompt": "The weights are", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "return_weight_versions": True, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+@pytest.fixture(scope="module")
+def perturbed_checkpoint(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the trainer writes: the same architecture, changed weights, save_pretrained."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    out = tmp_path_factory.mktemp("ckpt") / "step-1"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return out
+
+
+def test_reload_changes_outputs_and_version(fresh_server: ServerHandle, perturbed_checkpoint: Path,
+                                            tiny_model: Path) -> None:
+    url = fresh_server.url
+    assert httpx.get(url + "/weight_info").json() == {"weight_version": "0"}
+    before = _greedy(url)
+    assert before["weight_versions"] == [{"version": "0", "start": 0, "end": 12}]
+
+    r = httpx.post(url + "/collective_rpc", timeout=60,
+                   json={"method": "reload_weights", "kwargs": {"weights_path": str(perturbed_checkpoint)}})
+    assert r.status_code == 200 and r.json() == {"results": [None]}
+    assert httpx.post(url + "/update_weight_version", json={"new_version": "1"}).json() == \
+        {"success": True, "new_version": "1"}
+    assert httpx.get(url + "/weight_info").json() == {"weight_version": "1"}
+
+    after = _greedy(url)
+    assert after["token_ids"] != before["token_ids"]
+    assert after["weight_versions"] == [{"version": "1", "start": 0, "end": 12}]
+
+    # Reloading the original checkpoint restores the original greedy output exactly.
+    r = httpx.post(url + "/collective_rpc", timeout=60,
+                   json={"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model)}})
+    assert r.status_code == 200
+    assert _greedy(url)["token_ids"] == before["token_ids"]
+    assert 'tandem_inference_weight_version_info{model_name="tiny",version="1"} 1.0' in \
+        httpx.get(url + "/metrics").text
+
+
+def test_bad_checkpoints_are_400_and_change_nothing(fresh_server: ServerHandle, tmp_path: Path,
+                                                   tiny_model: Path) -> None:
+    url = fresh_server.url
+    before = _greedy(url)
+    other = AutoModelForCausalLM.from_config(
+        AutoModelForCausalLM.from_pretrained(tiny_model).config.__class__(
+            vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True))
+    other.save_pretrained(tmp_path / "wrong-shape")
+    (tmp_path / "empty").mkdir()
+    for path, fragment in ((tmp_path / "missing", "not a directory"), (tmp_path / "empty", "no *.safetensors"),
+                           (tmp_path / "wrong-shape", "shape")):
+        r = httpx.post(url + "/collective_rpc", json={"method": "reload_weights",
+                                                      "kwargs": {"weights_path": str(path)}})
+        assert r.status_code == 400, r.text
+        assert fragment in r.json()["error"]["message"]
+    assert _greedy(url)["token_ids"] == before["token_ids"]
+
+
+async def test_keep_pause_across_update_gives_two_spans(fresh_server: ServerHandle,
+                                                        perturbed_checkpoint: Path) -> None:
+    """The sampler's weight-sync sequence, with a request in flight across it."""
+    url, engine = fresh_server.url, fresh_server.engine
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        body = {"prompt": "long", "max_tokens": 200, "ignore_eos": True, "temperature": 1.0, "seed": 1,
+                "return_token_ids": True, "return_weight_versions": True, "logprobs": 0}
+        flight = asyncio.create_task(c.post("/v1/completions", json=body))
+        while engine.stats["generated_tokens"] < 20:
+            await asyncio.sleep(0.005)
+        assert (await c.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+        assert (await c.get("/is_paused")).json() == {"is_paused": True}
+        r = await c.post("/collective_rpc", json={"method": "reload_weights",
+                                                  "kwargs": {"weights_path": str(perturbed_checkpoint)}})
+        assert r.status_code == 200
+        assert (await c.post("/update_weight_version", json={"new_version": "1"})).status_code == 200
+        assert (await c.post("/reset_prefix_cache")).json() == {"success": True}
+        assert not flight.done()
+        assert (await c.post("/resume")).json() == {"status": "resumed"}
+        assert (await c.get("/is_paused")).json() == {"is_paused": False}
+        choice = (await flight).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 200
+    spans = choice["weight_versions"]
+    assert [s["version"] for s in spans] == ["0", "1"]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 200
+    assert 20 <= spans[0]["end"] < 200
+    assert len(choice["logprobs"]["token_logprobs"]) == 200
