@@ -70,7 +70,7 @@ async def _digests(url: str, steps: range) -> list[str]:
 async def test_trains_checkpoints_publishes_and_evaluates(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
     sampler, _ = stack
     run_dir = tmp_path / "trainer"
-    summary = await train(_settings(tiny_model_dir, sampler, run_dir, eval_every=2))
+    summary = await train(_settings(tiny_model_dir, sampler, run_dir, eval_every=2, progress=True))
 
     assert summary["steps"] == 3 and summary["final_version"] == 3
     assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
