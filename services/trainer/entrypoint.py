@@ -33,6 +33,8 @@ def _main(argv: Sequence[str] | None, prog: str | None) -> int:
         level=settings.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [trainer{'' if rank == 0 else f' rank {rank}'}] %(name)s: %(message)s",
     )
+    # One line per long-poll request would drown the per-step lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from services.trainer.trainer import run  # torch and transformers load only now
 
     summary = run(settings)

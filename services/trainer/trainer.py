@@ -181,7 +181,9 @@ def _torch_dtype(name: str, device: Any) -> Any:
 
 def load_model(path: str | Path, dtype: Any, device: Any) -> Any:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device)
 
