@@ -81,7 +81,7 @@ async def _level(url: str, concurrency: int) -> dict:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - start
         metrics = (await client.get("/metrics")).text
-    peak = re.search(r"^tandem_inference_peak_batch_size\{[^}]*\} ([0-9.e+]+)$", metrics, re.M)
+    peak = re.search(r"^tandem_inference_peak_batch_size\{[^}]*\} ([0-9.e+]+)$", metrics, re.MULTILINE)
     return {
         "concurrency": concurrency,
         "requests": REQUESTS,

@@ -44,7 +44,7 @@ class InferenceSettings(TandemSettings):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "InferenceSettings":
+    def _check(self) -> InferenceSettings:
         if not self.model:
             raise ValueError(
                 "model is required: an HF model directory, e.g. one written by "

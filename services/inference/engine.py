@@ -164,7 +164,7 @@ class Engine:
     # ----------------------------------------------------------------- construction
 
     @classmethod
-    def load(cls, model_path: str | Path, **kwargs: Any) -> "Engine":
+    def load(cls, model_path: str | Path, **kwargs: Any) -> Engine:
         """Load an HF model directory (blocking: call it off the event loop)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging

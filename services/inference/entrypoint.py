@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from shared.settings import load
 from services.inference.config import InferenceSettings
+from shared.settings import load
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

@@ -15,15 +15,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 # hidden = heads * 32; sized so that a CPU forward+backward of a small batch takes milliseconds.
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2),
-    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2),
+    "tiny": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 2},
+    "small": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
 }
 MAX_POSITIONS = 2048
 

@@ -62,7 +62,7 @@ class Batch:
     def size(self) -> int:
         return int(self.mask.shape[0])
 
-    def select(self, rows: list[int]) -> "Batch":
+    def select(self, rows: list[int]) -> Batch:
         """Keep `rows` (in that order) and drop the padding columns no kept row needs."""
         idx = torch.tensor(rows, dtype=torch.long)
         mask = self.mask.index_select(0, idx)
@@ -76,7 +76,7 @@ class Batch:
         )
 
     @staticmethod
-    def merge(a: "Batch | None", b: "Batch") -> "Batch":
+    def merge(a: Batch | None, b: Batch) -> Batch:
         """Rows of `a` then rows of `b`, left-padded to a common length."""
         if a is None or a.size == 0:
             return b

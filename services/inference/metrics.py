@@ -8,7 +8,7 @@ batching metrics vLLM lacks are `tandem_inference_*`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

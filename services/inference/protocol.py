@@ -137,7 +137,7 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
 
 
 def _finite(x: float) -> float:
-    return x if x > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+    return max(NEG_INF_LOGPROB, x)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def _render_chat(tokenizer, messages: list[P.ChatMessage], add_generation_prompt
             convo, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **(extra or {}),
         )
-    except Exception as exc:  # jinja errors, missing template: the request's fault or the model's
+    except Exception as exc:  # noqa: BLE001 - jinja errors or no template: the request's or the model's fault
         raise RequestError(f"could not apply the chat template: {exc}", param="messages") from None
     # The template already wrote every special token the model expects.
     return tokenizer.encode(text, add_special_tokens=False)

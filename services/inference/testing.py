@@ -25,9 +25,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 
@@ -81,7 +82,7 @@ def start_server(model: str | os.PathLike, *, host: str = "127.0.0.1", port: int
     def serve() -> None:
         try:
             asyncio.run(server.serve(sockets=[sock]))
-        except BaseException as exc:  # surfaced by the readiness wait below
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller by the readiness wait below
             errors.append(exc)
         finally:
             sock.close()

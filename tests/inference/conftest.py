@@ -3,8 +3,8 @@ inference servers (uvicorn on a free port, in-process) started with the public h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

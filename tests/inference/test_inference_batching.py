@@ -11,7 +11,7 @@ from services.inference.testing import ServerHandle
 
 
 def _peak_from_metrics(text: str) -> float:
-    m = re.search(r'^tandem_inference_peak_batch_size\{[^}]*\} ([0-9.e+]+)$', text, re.M)
+    m = re.search(r'^tandem_inference_peak_batch_size\{[^}]*\} ([0-9.e+]+)$', text, re.MULTILINE)
     assert m, "peak batch-size gauge missing from /metrics"
     return float(m.group(1))
 

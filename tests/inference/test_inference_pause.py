@@ -84,3 +84,17 @@ async def test_http_stays_responsive_during_generation(fresh_server: ServerHandl
         await c.post("/pause", params={"mode": "abort"})
         await asyncio.gather(*flights)
         await c.post("/resume")
+
+
+async def test_client_disconnect_aborts_its_sequences(fresh_server: ServerHandle) -> None:
+    engine = fresh_server.engine
+    async with httpx.AsyncClient(base_url=fresh_server.url, timeout=60) as c:
+        flight = asyncio.create_task(c.post("/v1/completions", json={**LONG, "n": 2}))
+        await _until_generating(engine)
+        assert engine.num_running == 2
+        flight.cancel()  # closes the connection mid-request
+    for _ in range(100):
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.num_running == 0, "sequences of a disconnected client kept running"
