@@ -17,8 +17,8 @@ does not change the accumulated gradient (a sum over samples).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

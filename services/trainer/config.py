@@ -90,7 +90,7 @@ class TrainerSettings(TandemSettings):
         return value or None
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainerSettings":
+    def _check(self) -> TrainerSettings:
         if not self.model:
             raise ValueError("model is required: an HF model directory (e.g. from `tandem init-model --preset tiny`)")
         if self.temperature is not None and self.temperature <= 0:

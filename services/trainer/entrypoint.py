@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from services.trainer.config import TrainerSettings
 from shared.settings import SettingsError, load

@@ -19,8 +19,9 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -164,9 +165,8 @@ class Learner:
         """
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict(loss=0.0, tokens=0.0, clipped=0.0, is_weight_sum=0.0, is_weight_max=0.0,
-                    is_truncated=0.0, kl_sum=0.0, ratio_sum=0.0, forward_tokens=0.0, logp_sum=0.0,
-                    mismatch_sum=0.0)
+        sums = dict.fromkeys(("loss", "tokens", "clipped", "is_weight_sum", "is_weight_max", "is_truncated",
+                              "kl_sum", "ratio_sum", "forward_tokens", "logp_sum", "mismatch_sum"), 0.0)
         new_old: list[torch.Tensor] = []
         new_ref: list[torch.Tensor] | None = [] if cfg.beta else None
         for k, cpu_mb in enumerate(micro_batches):

@@ -60,11 +60,12 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", buffering=1)
+        # Open for the whole run (closed in close()): one line-buffered append per record.
+        self._fh = open(self.path, "a", buffering=1)  # noqa: SIM115
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            except Exception as exc:  # ImportError, or a broken install
+            except Exception as exc:  # noqa: BLE001 -- ImportError, or a broken install: optional
                 log.warning("tensorboard = true but TensorBoard is not usable (%s); JSONL only", exc)
             else:
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
@@ -98,7 +99,8 @@ class Progress:
         self._task = None
         if not enabled:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
 
         self._progress = RichProgress(
             TextColumn("[bold]train[/]"),

@@ -269,7 +269,7 @@ class Trainer:
 
             record.update(eval_id=eval_id, status=result.status, result=result.result,
                           error=result.error, reward=eval_reward(result.result))
-        except Exception as exc:  # an eval must never take training down
+        except Exception as exc:  # noqa: BLE001 -- an eval must never take training down
             log.warning("eval %s at version %d failed: %s", label, version, exc)
             record.update(status="failed", error=f"{type(exc).__name__}: {exc}", reward=None)
         record["seconds"] = time.monotonic() - started

@@ -30,7 +30,7 @@ def test_checkpoint_is_a_loadable_hf_directory(tmp_path, model, tiny_model_dir) 
         assert (path / name).is_file(), name
     reloaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
     tok = AutoTokenizer.from_pretrained(str(path))
     assert tok.decode(tok.encode("1+2=3"), skip_special_tokens=True) == "1+2=3"
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))

@@ -7,7 +7,6 @@ import torch
 
 from services.trainer.collate import BatchFormatError, collate, split_micro_batches
 from shared.wire import Sample
-
 from tests.trainer.conftest import make_samples
 
 

@@ -15,7 +15,6 @@ import torch.multiprocessing as mp
 
 from services.trainer.collate import split_micro_batches
 from services.trainer.learner import Learner, LossConfig
-
 from tests.trainer.conftest import make_samples
 
 LOSSES = ("grpo", "dapo", "dr_grpo")
@@ -65,4 +64,4 @@ def test_two_ranks_equal_the_full_batch_gradient(tiny_model_dir: Path, tmp_path:
         assert split.keys() == full.keys()
         for name in full:
             torch.testing.assert_close(split[name], full[name], rtol=1e-9, atol=1e-12,
-                                       msg=lambda m: f"{loss_type} {name}: {m}")
+                                       msg=lambda m, loss_type=loss_type, name=name: f"{loss_type} {name}: {m}")

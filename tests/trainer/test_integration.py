@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,6 @@ from services.trainer.entrypoint import main as trainer_main
 from services.trainer.trainer import batch_digest, train
 from shared.client import SamplerClient
 from shared.settings import build
-
 from tests.support.servers import REPO, UvicornThread, free_port, start_sampler_process
 
 ENV = "tests.trainer.letter_env:LetterEnv"
@@ -50,9 +50,9 @@ def stack(tmp_path: Path, tiny_model_dir: Path):
 
 
 def _settings(tiny_model_dir: Path, sampler, run_dir: Path, **overrides) -> TrainerSettings:
-    values = dict(model=str(tiny_model_dir), sampler_url=sampler.url, run_dir=str(run_dir), api_token=TOKEN,
-                  per_device_batch_size=4, grad_accum_steps=2, max_steps=3, learning_rate=1e-3,
-                  progress=False, keep_checkpoints=2)
+    values = {"model": tiny_model_dir, "sampler_url": sampler.url, "run_dir": run_dir, "api_token": TOKEN,
+              "per_device_batch_size": 4, "grad_accum_steps": 2, "max_steps": 3, "learning_rate": 1e-3,
+              "progress": False, "keep_checkpoints": 2}
     values.update(overrides)
     return build(TrainerSettings, {k: str(v) for k, v in values.items()})
 
@@ -149,8 +149,10 @@ def test_two_ranks_under_torchrun(stack, tiny_model_dir: Path, tmp_path: Path) -
             "--api-token", TOKEN, "--run-dir", str(run_dir), "--per-device-batch-size", "2",
             "--grad-accum-steps", "2", "--max-steps", "2", "--learning-rate", "1e-3", "--device", "cpu",
             "--no-progress", "--no-eval-at-start", "--no-eval-at-end"]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    # The caller's TANDEM_* variables would override the flags' defaults in both ranks.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(argv, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     steps = _records(run_dir, "step")

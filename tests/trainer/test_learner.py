@@ -9,7 +9,6 @@ import torch
 
 from services.trainer.collate import collate, split_micro_batches
 from services.trainer.learner import Learner, LossConfig, forward_logprobs
-
 from tests.trainer.conftest import make_samples
 
 
@@ -65,7 +64,7 @@ def _grads(model, samples, k: int, **cfg) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-@pytest.mark.parametrize("extras", [dict(tis_cap=2.0), dict(tis_cap=None, beta=0.05)], ids=["tis", "kl-no-tis"])
+@pytest.mark.parametrize("extras", [{"tis_cap": 2.0}, {"tis_cap": None, "beta": 0.05}], ids=["tis", "kl-no-tis"])
 def test_grad_accumulation_equals_full_batch(base_model, loss_type: str, extras: dict) -> None:
     model = copy.deepcopy(base_model).double()
     samples = make_samples(8, seed=7)
@@ -73,7 +72,7 @@ def test_grad_accumulation_equals_full_batch(base_model, loss_type: str, extras:
     split = _grads(model, samples, 4, loss_type=loss_type, **extras)
     assert full.keys() == split.keys() and full
     for name in full:
-        torch.testing.assert_close(split[name], full[name], rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(split[name], full[name], rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
     assert any(g.abs().sum() > 0 for g in full.values())
 
 

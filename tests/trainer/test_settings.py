@@ -6,7 +6,12 @@ import pytest
 
 from services.trainer.config import TrainerSettings
 from services.trainer.entrypoint import main
-from services.trainer.trainer import check_batch_shape, learning_rate, resolve_temperature, sampler_config
+from services.trainer.trainer import (
+    check_batch_shape,
+    learning_rate,
+    resolve_temperature,
+    sampler_config,
+)
 from shared.settings import SettingsError, build
 
 
