@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +63,9 @@ def init_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0, 
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").exists())):
+        # Replacing a model directory is routine; wiping an unrelated one by a typo is not.
+        raise FileExistsError(f"{out} exists and is not a model directory; choose another --out")
     hf_logging.disable_progress_bar()
     tokenizer = build_tokenizer()
     config = build_config(preset, tokenizer)
@@ -103,7 +107,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--out", required=True, help="model directory to write (replaced if it exists)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(list(argv) if argv is not None else None)
-    path = init_model(args.out, preset=args.preset, seed=args.seed)
+    try:
+        path = init_model(args.out, preset=args.preset, seed=args.seed)
+    except FileExistsError as exc:
+        print(f"{prog or 'init-model'}: {exc}", file=sys.stderr)
+        return 2
     n = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     print(f"wrote {args.preset} model (seed {args.seed}, {n / 1e6:.2f} MB of weights) to {path}")
     return 0

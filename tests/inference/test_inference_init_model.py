@@ -70,3 +70,12 @@ def test_cli_writes_model(tmp_path: Path, capsys) -> None:
     assert init_model_cli.main(["--preset", "tiny", "--out", str(out), "--seed", "3"], prog="tandem init-model") == 0
     assert (out / "model.safetensors").is_file()
     assert "wrote tiny model" in capsys.readouterr().out
+
+
+def test_refuses_to_replace_a_directory_that_is_not_a_model(tmp_path: Path, capsys) -> None:
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "todo.txt").write_text("keep me")
+    assert init_model_cli.main(["--out", str(precious)], prog="tandem init-model") == 2
+    assert "not a model directory" in capsys.readouterr().err
+    assert (precious / "todo.txt").read_text() == "keep me"
