@@ -103,6 +103,7 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str | None = None  # set when a stop string cut the text
+    checked_chars: int = 0  # decoded length already searched for stop strings
     cancelled: bool = False  # the client went away; dropped at the next step
 
     @property
@@ -501,8 +502,9 @@ class Engine:
     def _check_stop_strings(self, seq: _Sequence) -> bool:
         text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
         longest = max(len(s) for s in seq.params.stop)
-        # Only the tail can hold a stop string that was not there one token ago.
-        window_start = max(0, len(text) - longest - 16)
+        # Only text that is new since the last check (plus a stop string's overlap) can hold a new match.
+        window_start = max(0, seq.checked_chars - longest + 1)
+        seq.checked_chars = len(text)
         hits = [(text.find(s, window_start), s) for s in seq.params.stop if s]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:

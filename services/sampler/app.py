@@ -60,7 +60,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         store = Store(redis, keys)
         notifier = Notifier(redis_url, keys.events)
         pool = InferencePool(settings.inference_urls, max_concurrency=settings.max_concurrency,
-                             request_timeout=settings.request_timeout, retries=settings.request_retries, http=http)
+                             request_timeout=settings.request_timeout, retries=settings.request_retries, http=http,
+                             on_version_change=notifier.notify)
         sampling = {"temperature": settings.temperature, "top_p": settings.top_p, "max_tokens": settings.max_tokens}
 
         def make_rollouts(environment: Environment) -> Rollouts:

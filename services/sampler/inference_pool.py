@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -88,6 +88,7 @@ class InferencePool:
         request_timeout: float,
         retries: int,
         http: httpx.AsyncClient,
+        on_version_change: "Callable[[], None] | None" = None,
     ):
         self.servers = [Server(url.rstrip("/")) for url in urls]
         self.semaphore = asyncio.Semaphore(max_concurrency)
@@ -97,6 +98,8 @@ class InferencePool:
         self.stats = PoolStats()
         self.in_flight = 0
         self._version_changed = asyncio.Event()
+        # Called whenever a server's version changes, so waiters elsewhere re-check.
+        self.on_version_change = on_version_change
 
     def min_version(self) -> int | None:
         versions = [s.version for s in self.servers if s.version is not None]
@@ -112,6 +115,8 @@ class InferencePool:
                 server.version = version
         self._version_changed.set()
         self._version_changed = asyncio.Event()
+        if self.on_version_change is not None:
+            self.on_version_change()
 
     def _pick(self, min_version: int) -> Server | None:
         now = time.monotonic()

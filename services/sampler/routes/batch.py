@@ -26,7 +26,7 @@ def rank_share(samples: list[dict[str, Any]], rank: int, world_size: int) -> lis
     total = len(samples)
     if total % world_size:
         raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_ENTITY,
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
             detail=f"a batch of {total} samples cannot be split evenly over world_size={world_size}",
         )
     share = total // world_size
@@ -53,7 +53,7 @@ async def get_batch(
     accept: Annotated[str | None, Header()] = None,
 ) -> Response:
     if rank >= world_size:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=f"rank {rank} must be < world_size {world_size}")
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=f"rank {rank} must be < world_size {world_size}")
     timeout = min(timeout, state.settings.max_poll_timeout)
     deadline = time.monotonic() + timeout
     store, notifier = state.store, state.notifier

@@ -17,7 +17,7 @@ async def start_eval(body: EvalRequest, state: State) -> EvalAccepted:
     try:
         eval_id = await state.evals.start(body.model_dump())
     except ValueError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=str(exc)) from None
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=str(exc)) from None
     return EvalAccepted(eval_id=eval_id)
 
 

@@ -52,7 +52,7 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
             failed = [r for r in results if not r.ok]
             if failed and len(failed) == len(results):
                 errors = "; ".join(f"{r.url}: {r.error}" for r in failed)
-                code = status.HTTP_422_UNPROCESSABLE_ENTITY if all(r.client_error for r in failed) \
+                code = status.HTTP_422_UNPROCESSABLE_CONTENT if all(r.client_error for r in failed) \
                     else status.HTTP_502_BAD_GATEWAY
                 raise HTTPException(code, detail=f"no inference server loaded {body.checkpoint_path!r}: {errors}")
         elif body.version > published:
