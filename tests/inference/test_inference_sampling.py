@@ -87,3 +87,17 @@ def test_stop_token_ids_and_eos(server: ServerHandle) -> None:
     choice = stopped["choices"][0]
     assert choice["token_ids"] == base["choices"][0]["token_ids"][: choice["token_ids"].index(third) + 1]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == third
+
+
+def test_top_k_one_is_greedy_and_min_tokens_delays_stops(server: ServerHandle) -> None:
+    greedy = _complete(server, prompt="xyz", max_tokens=6, temperature=0, ignore_eos=True)["choices"][0]
+    top1 = _complete(server, prompt="xyz", max_tokens=6, temperature=1.3, top_k=1, seed=4, ignore_eos=True,
+                     logprobs=0)["choices"][0]
+    assert top1["token_ids"] == greedy["token_ids"]
+    assert top1["logprobs"]["token_logprobs"] == pytest.approx([0.0] * 6, abs=1e-6)
+    first = greedy["token_ids"][0]
+    early = _complete(server, prompt="xyz", max_tokens=6, temperature=0, stop_token_ids=[first])["choices"][0]
+    assert early["token_ids"] == [first] and early["finish_reason"] == "stop"
+    late = _complete(server, prompt="xyz", max_tokens=6, temperature=0, stop_token_ids=[first],
+                     min_tokens=3)["choices"][0]
+    assert first not in late["token_ids"][:3]
