@@ -1,0 +1,75 @@
+"""A sampler killed with -9 and restarted keeps every sealed batch and resumes generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+
+from tests.support.servers import free_port, start_sampler_process
+
+
+def _kill_embedded_redis(run_dir) -> None:
+    info = run_dir / "redis" / "server.json"
+    if info.exists():
+        try:
+            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_kill_9_and_restart_keeps_sealed_batches(run_dir, standin):
+    port = free_port()
+    settings = dict(inference_urls=[standin.url], env="tests.support.envs:CountEnv",
+                    prompts_per_step=2, num_generations=4, max_tokens=6, max_staleness=1)
+    sampler = start_sampler_process(run_dir, port=port, **settings)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        before = {}
+        for step in range(5):
+            response = httpx.get(f"{url}/batch", params={"step": step, "timeout": 30}, timeout=60)
+            assert response.status_code == 200, response.text
+            before[step] = response.content
+            assert httpx.post(f"{url}/weights_version", json={"version": step + 1}).status_code == 200
+        redis_pid = json.loads((run_dir / "redis" / "server.json").read_text())["pid"]
+        sampler.kill()
+
+        sampler = start_sampler_process(run_dir, port=port, **settings)
+        # The embedded Redis outlived the sampler and was reused, not restarted.
+        assert json.loads((run_dir / "redis" / "server.json").read_text())["pid"] == redis_pid
+        for step, content in before.items():
+            again = httpx.get(f"{url}/batch", params={"step": step, "timeout": 5}, timeout=30)
+            assert again.status_code == 200
+            assert again.content == content, f"batch {step} changed across the restart"
+        weights = httpx.get(f"{url}/weights_version").json()
+        assert weights["version"] == 5
+        # Generation resumes where the run stands.
+        nxt = httpx.get(f"{url}/batch", params={"step": 5, "timeout": 30}, timeout=60)
+        assert nxt.status_code == 200
+        assert {s["policy_version"] for s in nxt.json()["samples"]} <= {4, 5}
+    finally:
+        sampler.terminate()
+        _kill_embedded_redis(run_dir)
+
+
+def test_graceful_stop_and_restart_replays_the_aof(run_dir, standin):
+    """A clean shutdown stops the embedded Redis; the next start reads the AOF back."""
+    port = free_port()
+    settings = dict(inference_urls=[standin.url], env="tests.support.envs:CountEnv",
+                    prompts_per_step=2, num_generations=2, max_tokens=4)
+    sampler = start_sampler_process(run_dir, port=port, **settings)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        first = httpx.get(f"{url}/batch", params={"step": 0, "timeout": 30}, timeout=60)
+        assert first.status_code == 200
+        # uvicorn re-raises SIGTERM after its graceful shutdown, so -15 is a clean exit too.
+        assert sampler.terminate() in (0, -15)
+        assert not (run_dir / "redis" / "server.json").exists()
+        sampler = start_sampler_process(run_dir, port=port, **settings)
+        again = httpx.get(f"{url}/batch", params={"step": 0, "timeout": 5}, timeout=30)
+        assert again.content == first.content
+    finally:
+        sampler.terminate()
+        _kill_embedded_redis(run_dir)
