@@ -10,13 +10,18 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from services.inference.config import InferenceSettings
-from shared.settings import load
+from shared.settings import SettingsError, load
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    settings = load(InferenceSettings, argv, prog)
+    try:
+        settings = load(InferenceSettings, argv, prog)
+    except SettingsError as exc:
+        print(f"{prog or 'tandem inference'}: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
@@ -25,6 +30,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         from services.inference.vllm_launcher import run
 
         return run(settings)
+    if not (Path(settings.model) / "config.json").is_file():
+        print(f"{prog or 'tandem inference'}: --model {settings.model} is not a Hugging Face model directory "
+              "(no config.json); write one with `tandem init-model --out DIR`", file=sys.stderr)
+        return 2
     import uvicorn
 
     from services.inference.server import create_app

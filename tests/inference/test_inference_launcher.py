@@ -65,3 +65,12 @@ def test_cpu_entrypoint_does_not_import_vllm() -> None:
     code = ("import sys; from services.inference import entrypoint, server, engine, testing; "
             "assert 'vllm' not in sys.modules, 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_entrypoint_explains_bad_settings(capsys) -> None:
+    from services.inference.entrypoint import main
+
+    assert main([], prog="tandem inference") == 2
+    assert "model is required" in capsys.readouterr().err
+    assert main(["--model", "/no/such/model"], prog="tandem inference") == 2
+    assert "not a Hugging Face model directory" in capsys.readouterr().err
