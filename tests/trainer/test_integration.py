@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ def _records(run_dir: Path, event: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
-async def _digests(url: str, steps: range) -> list[str]:
+async def _digests(url: str, steps) -> list[str]:
     async with SamplerClient(url, api_token=TOKEN) as client:
         return [batch_digest(await client.get_batch(step, timeout=60)) for step in steps]
 
@@ -167,3 +168,39 @@ def test_two_ranks_under_torchrun(stack, tiny_model_dir: Path, tmp_path: Path) -
 async def _served_version(url: str) -> int:
     async with SamplerClient(url) as client:
         return (await client.weights_version()).version
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """kill -9 the trainer process as soon as it has a checkpoint; a restart finishes the run
+    on the sampler's batches, re-announcing the newest checkpoint's version if the kill
+    landed between saving and publishing."""
+    from tests.support.servers import ServiceProcess
+
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    argv = [sys.executable, "-m", "services.cli", "trainer", "--model", str(tiny_model_dir),
+            "--sampler-url", sampler.url, "--api-token", TOKEN, "--run-dir", str(run_dir),
+            "--per-device-batch-size", "4", "--grad-accum-steps", "2", "--max-steps", "50",
+            "--no-progress", "--no-eval-at-start", "--no-eval-at-end"]
+    proc = ServiceProcess(argv, name="trainer", log_path=tmp_path / "trainer.log",
+                          env={"OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 60
+    while ckpt.latest_checkpoint(run_dir) is None:
+        assert proc.popen.poll() is None, proc.log_tail()
+        assert time.monotonic() < deadline, proc.log_tail()
+        time.sleep(0.02)
+    proc.kill()
+    killed_at = ckpt.latest_checkpoint(run_dir)[0]
+    assert killed_at < 49, "the run finished before the kill; nothing was tested"
+
+    final = killed_at + 3
+    summary = asyncio.run(train(_settings(tiny_model_dir, sampler, run_dir, max_steps=final,
+                                          eval_at_start=False, eval_at_end=False)))
+    assert summary["start_step"] == killed_at + 1 and summary["final_version"] == final
+    steps = _records(run_dir, "step")
+    recorded = [r["step"] for r in steps]
+    # Every step trained exactly once: a step whose record the kill pre-empted is not redone.
+    assert recorded == sorted(set(recorded)) and recorded[-3:] == list(range(killed_at + 1, final))
+    assert [r["batch_digest"] for r in steps] == asyncio.run(_digests(sampler.url, recorded))
+    assert asyncio.run(_served_version(sampler.url)) == final
