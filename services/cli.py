@@ -42,7 +42,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem {name}: not available in this build ({exc})", file=sys.stderr)
             return 2
         raise
-    return int(module.main(rest, prog=f"tandem {name}") or 0)
+    from shared.settings import SettingsError
+
+    try:
+        return int(module.main(rest, prog=f"tandem {name}") or 0)
+    except SettingsError as exc:
+        # A SystemExit with an int code prints nothing by itself: say what to fix.
+        print(f"tandem {name}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

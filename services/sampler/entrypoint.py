@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
     from services.sampler.strategy import load_strategy
 
     try:
-        env = load_environment(settings.env, **settings.env_args)
         strategy = load_strategy(settings)
+        env = load_environment(settings.env, **settings.env_args)
     except (ValueError, TypeError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

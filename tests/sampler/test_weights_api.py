@@ -1,0 +1,73 @@
+"""POST/GET /weights_version: monotonic versions, weight sync on the server, auth."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+def test_versions_only_move_forward(make_sampler):
+    sampler = make_sampler()
+    with httpx.Client(base_url=sampler.url, timeout=30) as http:
+        assert http.get("/weights_version").json()["version"] == 0
+        assert http.post("/weights_version", json={"version": 3}).json()["version"] == 3
+        # The same version again is an idempotent retry, not an error.
+        assert http.post("/weights_version", json={"version": 3}).status_code == 200
+        lower = http.post("/weights_version", json={"version": 2})
+        assert lower.status_code == 409
+        assert "lower than the published version 3" in lower.json()["detail"]
+        assert http.get("/weights_version").json()["version"] == 3
+
+
+@pytest.mark.parametrize("body", [{}, {"version": -1}, {"version": "x"}, {"version": 1, "junk": 1}, [1]])
+def test_bad_bodies_are_422(make_sampler, body):
+    sampler = make_sampler()
+    response = httpx.post(sampler.url + "/weights_version", json=body, timeout=30)
+    assert response.status_code == 422
+
+
+def test_checkpoint_sync_runs_the_server_protocol(make_sampler, standin):
+    sampler = make_sampler()
+    response = httpx.post(sampler.url + "/weights_version",
+                          json={"version": 1, "checkpoint_path": "/ckpt/step-0"}, timeout=30)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["version"] == 1 and body["checkpoint_path"] == "/ckpt/step-0"
+    assert [s["version"] for s in body["servers"]] == [1]
+    stats = httpx.get(standin.url + "/_standin/stats").json()
+    assert stats == {**stats, "reloads": ["/ckpt/step-0"], "version": "1", "paused": False}
+
+
+def test_a_failed_reload_is_a_4xx_and_leaves_no_server_paused(make_sampler, standin):
+    sampler = make_sampler()
+    response = httpx.post(sampler.url + "/weights_version",
+                          json={"version": 1, "checkpoint_path": "/ckpt/does-not-exist"}, timeout=30)
+    assert response.status_code == 422
+    assert "does-not-exist" in response.json()["detail"]
+    assert httpx.get(standin.url + "/is_paused").json()["is_paused"] is False
+    weights = httpx.get(sampler.url + "/weights_version").json()
+    assert weights["version"] == 0
+    assert "reload_weights" in weights["servers"][0]["error"]
+
+
+def test_unreachable_servers_give_502_not_500(make_sampler):
+    sampler = make_sampler(inference_urls=["http://127.0.0.1:9"])
+    response = httpx.post(sampler.url + "/weights_version",
+                          json={"version": 1, "checkpoint_path": "/ckpt"}, timeout=120)
+    assert response.status_code == 502
+    assert "127.0.0.1:9" in response.json()["detail"]
+
+
+def test_mutating_endpoints_need_the_token(make_sampler):
+    sampler = make_sampler(api_token="s3cret")
+    with httpx.Client(base_url=sampler.url, timeout=30) as http:
+        for method, path, body in [("POST", "/weights_version", {"version": 1}), ("POST", "/eval", {})]:
+            assert http.request(method, path, json=body).status_code == 401
+            wrong = http.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            assert "Bearer" in wrong.json()["detail"]
+        ok = http.post("/weights_version", json={"version": 1}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        # Reads stay open.
+        assert http.get("/weights_version").status_code == 200
+        assert http.get("/status").status_code == 200
