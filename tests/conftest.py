@@ -1,14 +1,17 @@
-"""Fixtures shared by every test directory: a private Redis and a unique run namespace."""
+"""Fixtures shared by every test directory: a private Redis, a unique run namespace,
+a vLLM-protocol stand-in and an in-process sampler on free ports."""
 
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support.servers import start_redis
+from services.sampler.app import create_app
+from services.sampler.config import SamplerSettings
+from tests.support.servers import UvicornThread, start_redis, start_standin
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +33,34 @@ def run_dir(tmp_path: Path) -> Path:
     path = tmp_path / "run"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def standin() -> Iterator[UvicornThread]:
+    server = start_standin(token_latency=0.0)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_sampler(redis_url: str, namespace: str, run_dir: Path, standin: UvicornThread
+                 ) -> Iterator[Callable[..., UvicornThread]]:
+    """make_sampler(**settings) -> a running sampler (UvicornThread) using the stand-in."""
+    started: list[UvicornThread] = []
+
+    def make(**overrides: Any) -> UvicornThread:
+        values: dict[str, Any] = {
+            "redis_url": redis_url, "namespace": namespace, "run_dir": run_dir,
+            "inference_urls": [standin.url], "env": "tests.support.envs:CountEnv",
+            "prompts_per_step": 4, "num_generations": 4, "max_tokens": 8,
+        }
+        values.update(overrides)
+        settings = SamplerSettings(**values)
+        server = UvicornThread(create_app(settings)).start()
+        server.settings = settings  # type: ignore[attr-defined]
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()

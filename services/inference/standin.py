@@ -90,11 +90,12 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
             _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body)
             for i in range(n)
         ))
+        generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
         return {
             "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
             "model": s.model_id, "choices": list(choices),
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": sum(len(c["token_ids"]) for c in choices),
-                      "total_tokens": len(prompt_ids) * n + sum(len(c["token_ids"]) for c in choices)},
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
+                      "total_tokens": len(prompt_ids) + generated},
         }
 
     async def _generate(s: StandInState, index: int, prompt_ids: list[int], max_tokens: int,
