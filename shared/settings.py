@@ -16,8 +16,9 @@ import contextvars
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BeforeValidator, ValidationError
 from pydantic.fields import FieldInfo

@@ -4,8 +4,9 @@ a vLLM-protocol stand-in and an in-process sampler on free ports."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 

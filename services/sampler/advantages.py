@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 EPS = 1e-6
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import httpx
 import redis.asyncio as aioredis
@@ -75,7 +75,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         def rollouts_for(env_name: str | None) -> Rollouts:
             return rollouts if env_name in (None, "", settings.env) else make_rollouts(load_environment(env_name))
 
-        weight_sync = WeightSync(pool, store)
+        weight_sync = WeightSync(pool, store, resume_deadline=settings.resume_deadline)
         producer = Producer(store=store, notifier=notifier, pool=pool, rollouts=rollouts,
                             strategy=strategy, env_name=env.name)
         eval_jobs = Evals(redis, keys, notifier, rollouts_for,

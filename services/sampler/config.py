@@ -43,6 +43,9 @@ class SamplerSettings(TandemSettings):
     max_poll_timeout: float = Field(default=60.0, gt=0, description="upper bound on ?timeout= of long-polls")
     request_timeout: float = Field(default=600.0, gt=0, description="seconds for one inference request")
     request_retries: int = Field(default=5, ge=0, description="retries of a failed inference request")
+    resume_deadline: float = Field(
+        default=15.0, gt=0, description="seconds a weight sync retries /resume before handing it to a background retrier"
+    )
     model_name: str | None = Field(default=None, description="model id sent to inference; unset = first of /v1/models")
     eval_examples: int = Field(default=64, ge=1, description="default num_examples for POST /eval")
 
@@ -56,7 +59,7 @@ class SamplerSettings(TandemSettings):
         return self.prompts_per_step * self.num_generations
 
     @model_validator(mode="after")
-    def _check(self) -> "SamplerSettings":
+    def _check(self) -> SamplerSettings:
         if self.strategy == "on_policy":
             self.on_policy = True
         if not self.inference_urls:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from shared.settings import SettingsError, load
 from services.sampler.config import SamplerSettings
+from shared.settings import SettingsError, load
 
 
 def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:

@@ -13,7 +13,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -99,7 +100,7 @@ class Evals:
             record["status"] = "done"
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a failed eval is reported, not raised
+        except Exception as exc:
             log.exception("eval %s failed", record["eval_id"])
             record["status"] = "failed"
             record["error"] = f"{type(exc).__name__}: {exc}"

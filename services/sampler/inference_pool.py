@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -88,7 +89,7 @@ class InferencePool:
         request_timeout: float,
         retries: int,
         http: httpx.AsyncClient,
-        on_version_change: "Callable[[], None] | None" = None,
+        on_version_change: Callable[[], None] | None = None,
     ):
         self.servers = [Server(url.rstrip("/")) for url in urls]
         self.semaphore = asyncio.Semaphore(max_concurrency)

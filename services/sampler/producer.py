@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import codec
 from services.sampler.inference_pool import InferencePool
 from services.sampler.notify import Notifier
 from services.sampler.rollout import Rollouts, batch_payload
 from services.sampler.store import Store
 from services.sampler.strategy import Strategy
+from shared import codec
 
 log = logging.getLogger("tandem.sampler.producer")
 

@@ -22,19 +22,19 @@ if TYPE_CHECKING:
 
 
 class GroupSource(Protocol):
-    async def groups_for_step(self, step: int, min_version: int) -> list["Group"]: ...
+    async def groups_for_step(self, step: int, min_version: int) -> list[Group]: ...
 
 
 class Strategy:
     name = "base"
 
-    def __init__(self, settings: "SamplerSettings"):
+    def __init__(self, settings: SamplerSettings):
         self.settings = settings
 
     def required_version(self, step: int) -> int:
         raise NotImplementedError
 
-    async def assemble(self, step: int, source: GroupSource) -> list["Group"]:
+    async def assemble(self, step: int, source: GroupSource) -> list[Group]:
         return await source.groups_for_step(step, self.required_version(step))
 
 
@@ -43,7 +43,7 @@ class OffPolicy(Strategy):
 
     name = "off_policy"
 
-    def __init__(self, settings: "SamplerSettings"):
+    def __init__(self, settings: SamplerSettings):
         super().__init__(settings)
         self.k = settings.staleness
 
@@ -56,7 +56,7 @@ class OnPolicy(OffPolicy):
 
     name = "on_policy"
 
-    def __init__(self, settings: "SamplerSettings"):
+    def __init__(self, settings: SamplerSettings):
         super().__init__(settings)
         self.k = 0
 
@@ -64,7 +64,7 @@ class OnPolicy(OffPolicy):
 BUILTINS: dict[str, type[Strategy]] = {"off_policy": OffPolicy, "on_policy": OnPolicy}
 
 
-def load_strategy(settings: "SamplerSettings") -> Strategy:
+def load_strategy(settings: SamplerSettings) -> Strategy:
     name = "on_policy" if settings.on_policy and settings.strategy == "off_policy" else settings.strategy
     if name in BUILTINS:
         return BUILTINS[name](settings)

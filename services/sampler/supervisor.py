@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("tandem.supervisor")
 
@@ -26,7 +26,7 @@ class Supervisor:
                     return
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - a crashed loop is logged and restarted
+                except Exception:
                     self.crashes[name] = self.crashes.get(name, 0) + 1
                     log.exception("background task %s crashed (%d times)", name, self.crashes[name])
                     if not restart or self._stopping:

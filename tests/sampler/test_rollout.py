@@ -7,7 +7,11 @@ import asyncio
 import httpx
 import pytest
 
-from services.sampler.inference_pool import InferencePool, InferenceRequestError, InferenceUnavailable
+from services.sampler.inference_pool import (
+    InferencePool,
+    InferenceRequestError,
+    InferenceUnavailable,
+)
 from services.sampler.rollout import DatasetOrder, parse_completions
 from tests.support.servers import start_standin
 

@@ -51,7 +51,7 @@ def test_a_failed_reload_is_a_4xx_and_leaves_no_server_paused(make_sampler, stan
 
 
 def test_unreachable_servers_give_502_not_500(make_sampler):
-    sampler = make_sampler(inference_urls=["http://127.0.0.1:9"])
+    sampler = make_sampler(inference_urls=["http://127.0.0.1:9"], resume_deadline=1.0)
     response = httpx.post(sampler.url + "/weights_version",
                           json={"version": 1, "checkpoint_path": "/ckpt"}, timeout=120)
     assert response.status_code == 502

@@ -8,7 +8,14 @@ import httpx
 import pytest
 
 from services.sampler.app import create_app
-from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, SamplerUnavailable, Unauthorized, VersionConflict
+from shared.client import (
+    BatchNotReady,
+    BatchTrimmed,
+    SamplerClient,
+    SamplerUnavailable,
+    Unauthorized,
+    VersionConflict,
+)
 from tests.support.servers import UvicornThread, free_port
 
 

@@ -33,7 +33,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float, what: str, proc: "ServiceProcess | None" = None) -> None:
+def wait_http(url: str, timeout: float, what: str, proc: ServiceProcess | None = None) -> None:
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -62,7 +62,7 @@ class UvicornThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "UvicornThread":
+    def start(self, timeout: float = 30.0) -> UvicornThread:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -94,7 +94,7 @@ class ServiceProcess:
     def pid(self) -> int:
         return self.popen.pid
 
-    def wait_ready(self, timeout: float = 60.0) -> "ServiceProcess":
+    def wait_ready(self, timeout: float = 60.0) -> ServiceProcess:
         if self.ready_url:
             wait_http(self.ready_url, timeout, self.name, self)
         return self

@@ -9,8 +9,9 @@ dataset order, group expansion, advantages, staleness.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 Split = Literal["train", "eval"]
 

@@ -13,8 +13,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
-from shared import codec
 from services.sampler.deps import State
+from shared import codec
 
 router = APIRouter(tags=["batch"])
 

@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
-from shared.wire import EvalAccepted, EvalRequest, EvalResult
 from services.sampler.deps import Authorized, State
+from shared.wire import EvalAccepted, EvalRequest, EvalResult
 
 router = APIRouter(tags=["eval"])
 

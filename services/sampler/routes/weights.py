@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, status
 
-from shared.wire import ServerVersion, WeightsVersion, WeightsVersionRequest
 from services.sampler.deps import Authorized, State
 from services.sampler.state import SamplerState
+from shared.wire import ServerVersion, WeightsVersion, WeightsVersionRequest
 
 router = APIRouter(tags=["weights"])
 
