@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.sampler.inference_pool import InferencePool
@@ -49,6 +50,8 @@ class Producer:
         self.last_error: str | None = None
         self.sealed_count = 0
         self._tasks: set[asyncio.Task] = set()
+        # Called with each newly sealed batch payload (metrics, rollout logs); errors are logged.
+        self.on_sealed: list[Callable[[dict[str, Any]], Awaitable[None] | None]] = []
 
     async def sync_versions(self) -> None:
         """Load per-server versions from Redis (another process may have synced them)."""
@@ -114,6 +117,7 @@ class Producer:
                 self.last_sealed = step if self.last_sealed is None else max(self.last_sealed, step)
                 self.last_error = None
                 await self.store.add_batch_stats(payload["stats"])
+                await self._run_hooks(payload)
                 stats = payload["stats"]
                 log.info("sealed batch %d: %d samples, reward %.3f, staleness mean %.2f, %.2fs",
                          step, stats["num_samples"], stats["reward_mean"], stats["staleness_mean"],
@@ -122,6 +126,15 @@ class Producer:
                 log.info("batch %d was trimmed before it was sealed; dropped", step)
         finally:
             self.in_progress.pop(step, None)
+
+    async def _run_hooks(self, payload: dict[str, Any]) -> None:
+        for hook in self.on_sealed:
+            try:
+                result = hook(payload)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # noqa: BLE001 - an observer must never stop production
+                log.exception("on_sealed hook %r failed for batch %d", hook, payload["step"])
 
     def snapshot(self) -> dict[str, Any]:
         return {
