@@ -1,0 +1,1 @@
+"""`tandem demo`: the whole stack (CPU inference, sampler, trainer) on one machine."""

@@ -1,0 +1,92 @@
+"""Demo settings (DESIGN section 1): one pydantic-settings class, section `[demo]`.
+
+The fixed names `steps`, `max_staleness`, `on_policy`, `seed` and `run_dir` keep their
+DESIGN meaning; the rest are the knobs the demo passes on to its children as flags.
+The defaults are tuned so that `tandem demo` on a 2-core CPU takes the toy task from a
+greedy eval reward near 0 to near 1 within a few minutes (README "Demo").
+
+Importing this module never imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from shared.settings import TandemSettings
+
+
+class DemoSettings(TandemSettings):
+    """The whole stack on one machine: a fresh model, CPU inference, sampler and trainer."""
+
+    section: ClassVar[str] = "demo"
+
+    run_dir: Path = Field(default=Path("runs/demo"), description="model, logs, checkpoints, summary.json")
+    port: int = Field(default=0, ge=0, le=65535, description="the sampler's (and dashboard's) port; 0 = a free port")
+    inference_port: int = Field(default=0, ge=0, le=65535, description="the CPU inference server's port; 0 = a free port")
+
+    # What to train.
+    steps: int = Field(default=70, ge=1, description="optimizer steps")
+    max_staleness: int = Field(default=1, ge=0, description="k: batch N may use weights of version >= N - k")
+    on_policy: bool = Field(default=False, description="synchronous on-policy training (k = 0)")
+    seed: int = Field(default=0, description="model initialisation, sampling and trainer seed")
+    env: str = Field(default="toy", description="sampler environment")
+    model: str | None = Field(default=None, description="start from this HF model directory instead of a fresh preset")
+    preset: str = Field(default="tiny", description="init-model preset for the fresh model")
+
+    # Batch shape: prompts_per_step * num_generations samples per step, trained in one
+    # micro-batch per `micro_batch_size` samples.
+    prompts_per_step: int = Field(default=8, ge=1)
+    num_generations: int = Field(default=8, ge=1)
+    micro_batch_size: int | None = Field(
+        default=None, ge=1, description="trainer per_device_batch_size; unset = the whole batch in one micro-batch"
+    )
+    temperature: float = Field(default=1.0, gt=0)
+    max_tokens: int = Field(default=4, ge=1)
+    learning_rate: float = Field(default=2e-3, gt=0)
+    loss: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    eval_every: int = Field(default=10, ge=0, description="greedy eval every N steps (0: only before and after)")
+    eval_examples: int = Field(default=64, ge=1)
+
+    # Processes.
+    torch_threads: int = Field(
+        default=1, ge=1, description="torch threads per child: inference and trainer overlap, so one core each"
+    )
+    startup_timeout: float = Field(default=180.0, gt=0, description="seconds each child may take to answer /health")
+    timeout: float = Field(default=1800.0, gt=0, description="seconds the training may take before the demo gives up")
+    stop_timeout: float = Field(default=20.0, gt=0, description="seconds a child gets after SIGTERM before SIGKILL")
+    progress: bool = Field(default=True, description="live progress display (plain lines when not a terminal)")
+
+    @property
+    def staleness(self) -> int:
+        """The effective k: 0 when on_policy."""
+        return 0 if self.on_policy else self.max_staleness
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    @property
+    def per_device_batch_size(self) -> int:
+        return self.micro_batch_size or self.batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.batch_size // self.per_device_batch_size
+
+    @model_validator(mode="after")
+    def _check(self) -> DemoSettings:
+        if self.batch_size % self.per_device_batch_size:
+            raise ValueError(
+                f"micro_batch_size {self.micro_batch_size} does not divide the batch: prompts_per_step "
+                f"({self.prompts_per_step}) x num_generations ({self.num_generations}) = {self.batch_size}"
+            )
+        from services.inference.init_model import PRESETS  # stdlib-only at import time
+
+        if self.model is None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        if self.port and self.port == self.inference_port:
+            raise ValueError(f"port and inference_port are both {self.port}; give them different ports (or 0)")
+        return self

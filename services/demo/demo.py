@@ -1,0 +1,430 @@
+"""`tandem demo`: the whole stack on one machine, as separate processes, on the toy task.
+
+`run_demo(settings)`:
+
+1. Prepares a fresh `run_dir` (refusing a non-empty directory it did not create) and
+   writes a new model there with `init_model` (or uses `--model`).
+2. Starts, each as its own `tandem <command>` process logging to `run_dir/logs/<name>.log`:
+   the CPU inference server, the sampler (which starts the embedded Redis under
+   `run_dir/redis`) and, once both answer /health, the trainer. Ports are free ports
+   unless given. The batch shape is derived once here, so the trainer's
+   `per_device_batch_size * grad_accum_steps` always equals the sampler's
+   `prompts_per_step * num_generations`. A random API token protects the sampler's
+   mutating endpoints; it travels in the children's environment, not on command lines.
+3. Shows progress from `run_dir/trainer_metrics.jsonl` (a live bar on a terminal, plain
+   lines otherwise) and prints the dashboard URL, the sampler's `GET /`.
+4. When the trainer exits 0: reads the served weight version from the inference server's
+   `/weight_info`, stops the sampler and the inference server (SIGTERM to their pids),
+   makes sure the embedded redis-server is gone (pid from `run_dir/redis/server.json`),
+   and writes `run_dir/summary.json`.
+
+Failure modes: a child that exits early raises `ChildDied` with its log tail; a child
+that does not become healthy within `startup_timeout`, or training that exceeds
+`timeout`, raises `TimeoutError` naming what was awaited. Whatever happens, including
+KeyboardInterrupt or `Interrupted` (SIGTERM, raised by the entrypoint's handler),
+every child is stopped by its pid before `run_demo` returns or raises.
+
+`run_dir/processes.json` lists every child's pid as soon as it starts (and the redis
+pid once known), so an outside observer can verify that none is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from services.demo.config import DemoSettings
+from services.demo.processes import Child, ChildDied, free_port, pid_alive, stop_pid, wait_healthy
+
+MARKER = ".tandem-demo"
+SERVED_MODEL_NAME = "demo"
+
+
+class DemoError(RuntimeError):
+    """A problem the user can fix (the message says how)."""
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by a SIGINT/SIGTERM handler; BaseException so that no
+    `except Exception` in between swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Start from an empty run_dir: old checkpoints would make the trainer resume, and an
+    old Redis would hand the sampler old batches."""
+    if run_dir.exists():
+        if not run_dir.is_dir():
+            raise DemoError(f"run_dir {run_dir} exists and is not a directory; choose another --run-dir")
+        if any(run_dir.iterdir()) and not (run_dir / MARKER).exists():
+            raise DemoError(
+                f"run_dir {run_dir} is not empty and was not created by `tandem demo`; the demo "
+                "replaces its run_dir, so choose another --run-dir (or remove that directory)"
+            )
+        # A demo killed with -9 leaves its sampler's redis-server running on this directory.
+        info = run_dir / "redis" / "server.json"
+        if info.exists():
+            try:
+                stop_pid(int(json.loads(info.read_text())["pid"]), 10.0, expect="redis-server")
+            except (ValueError, KeyError, OSError):
+                pass
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / MARKER).write_text("created by `tandem demo`; the next demo run replaces this directory\n")
+
+
+def _child_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    # The demo's flags are the children's only configuration: a TANDEM_* variable meant for
+    # the demo (TANDEM_PORT, TANDEM_SEED...) must not leak into a service's settings.
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TANDEM_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(extra or {})
+    return env
+
+
+def _tandem(command: str, **flags: Any) -> list[str]:
+    argv = [sys.executable, "-m", "services.cli", command]
+    for key, value in flags.items():
+        if value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+class MetricsTail:
+    """Reads the trainer's JSONL metrics as they grow (complete lines only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        records = []
+        for line in data[:end].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == "step":
+                self.steps.append(record)
+            elif record.get("event") == "eval":
+                self.evals.append(record)
+            records.append(record)
+        return records
+
+
+class Display:
+    """A rich progress bar on a terminal; a plain line every ~10% of the steps otherwise."""
+
+    def __init__(self, total: int, out: TextIO, enabled: bool):
+        self.total = total
+        self.out = out
+        self.enabled = enabled
+        self.last_eval: str = "-"
+        self._bar = None
+        self._every = max(1, total // 10)
+        if enabled and out.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"),
+                                 console=Console(file=out))
+            self._task = self._bar.add_task("waiting for the first batch", total=total)
+            self._bar.start()
+
+    def _print(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(text, highlight=False)
+        elif self.enabled:
+            print(text, file=self.out, flush=True)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "eval":
+            reward = record.get("reward")
+            self.last_eval = f"{reward:.2f}" if isinstance(reward, (int, float)) else "failed"
+            self._print(f"eval ({record.get('label')}, version {record.get('version')}): "
+                        f"greedy reward {self.last_eval}")
+            return
+        if record.get("event") != "step":
+            return
+        done = int(record["step"]) + 1
+        line = (f"reward {record.get('reward_mean', 0.0):.2f}  eval {self.last_eval}  "
+                f"stale {record.get('staleness_mean', 0.0):.2f}  wait {record.get('batch_wait_s', 0.0):.2f}s  "
+                f"train {record.get('train_s', 0.0):.2f}s")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, description=line)
+        elif done % self._every == 0 or done == self.total:
+            self._print(f"step {done}/{self.total}  {line}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class Demo:
+    def __init__(self, settings: DemoSettings, out: TextIO | None = None):
+        self.s = settings
+        self.out = out or sys.stdout
+        self.run_dir = Path(settings.run_dir).resolve()
+        self.children: dict[str, Child] = {}
+        self.redis_pid: int | None = None
+        self.hurry = False  # a second signal during shutdown: SIGKILL instead of waiting
+        connect_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+        self.inference_port = settings.inference_port or free_port()
+        self.sampler_port = settings.port or free_port()
+        while self.sampler_port == self.inference_port:
+            self.sampler_port = free_port()
+        self.inference_url = f"http://{connect_host}:{self.inference_port}"
+        self.sampler_url = f"http://{connect_host}:{self.sampler_port}"
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    # -- processes ----------------------------------------------------------------------
+
+    def _record_processes(self) -> None:
+        info = {name: {"pid": c.pid, "log": str(c.log_path)} for name, c in self.children.items()}
+        if self.redis_pid is not None:
+            info["redis-server"] = {"pid": self.redis_pid, "log": str(self.run_dir / "redis" / "redis.log")}
+        tmp = self.run_dir / "processes.json.tmp"
+        tmp.write_text(json.dumps({"demo": os.getpid(), "children": info}, indent=2))
+        os.replace(tmp, self.run_dir / "processes.json")
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
+        child = Child(name, argv, self.run_dir / "logs" / f"{name}.log", env)
+        self.children[name] = child
+        self._record_processes()
+        return child
+
+    def _check_children(self) -> None:
+        for child in self.children.values():
+            if child.returncode is not None and (child.name != "trainer" or child.returncode != 0):
+                raise ChildDied(child)
+
+    def _read_redis_pid(self) -> None:
+        try:
+            self.redis_pid = int(json.loads((self.run_dir / "redis" / "server.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return
+        self._record_processes()
+
+    def shutdown(self) -> dict[str, int | None]:
+        """Stop every child by pid: trainer first (it drives the others), then sampler and
+        inference together; then the sampler's redis-server if it outlived the sampler."""
+        def on_signal(signum: int, frame: Any) -> None:
+            self.hurry = True
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, on_signal)
+        if self.redis_pid is None:
+            self._read_redis_pid()
+        codes: dict[str, int | None] = {}
+        for group in (["trainer"], ["sampler", "inference"]):
+            children = [self.children[n] for n in group if n in self.children]
+            for child in children:
+                child.terminate()
+            deadline = time.monotonic() + self.s.stop_timeout
+            for child in children:
+                while child.returncode is None and time.monotonic() < deadline and not self.hurry:
+                    time.sleep(0.05)
+                codes[child.name] = child.wait_stopped(0)
+        if self.redis_pid is not None and pid_alive(self.redis_pid):
+            # The sampler stops the redis-server it started; if it was killed, nobody did.
+            stop_pid(self.redis_pid, 0 if self.hurry else 10.0, expect="redis-server")
+        return codes
+
+    # -- the run ------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        s = self.s
+        started = time.monotonic()
+        prepare_run_dir(self.run_dir)
+        self.say(f"tandem demo: run_dir {self.run_dir} (logs in {self.run_dir / 'logs'})")
+        if s.model:
+            model_dir = Path(s.model).resolve()
+            if not (model_dir / "config.json").is_file():
+                raise DemoError(f"--model {s.model} is not a Hugging Face model directory (no config.json)")
+        else:
+            from services.inference.init_model import init_model
+
+            model_dir = init_model(self.run_dir / "model", preset=s.preset, seed=s.seed)
+            self.say(f"fresh {s.preset} model (seed {s.seed}) in {model_dir}")
+
+        token = secrets.token_urlsafe(16)
+        threads = s.torch_threads
+        try:
+            inference = self._start("inference", _tandem(
+                "inference", model=model_dir, host=s.host, port=self.inference_port,
+                served_model_name=SERVED_MODEL_NAME, torch_threads=threads, seed=s.seed,
+                run_dir=self.run_dir, log_level=s.log_level,
+            ), _child_env(threads))
+            sampler = self._start("sampler", _tandem(
+                "sampler", host=s.host, port=self.sampler_port, run_dir=self.run_dir,
+                inference_urls=self.inference_url, env=s.env, model_name=SERVED_MODEL_NAME,
+                prompts_per_step=s.prompts_per_step, num_generations=s.num_generations,
+                max_staleness=s.staleness, on_policy=s.on_policy, temperature=s.temperature,
+                max_tokens=s.max_tokens, seed=s.seed, eval_examples=s.eval_examples, log_level=s.log_level,
+            ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
+            self.say(f"starting inference (pid {inference.pid}) on {self.inference_url} and "
+                     f"sampler (pid {sampler.pid}) on {self.sampler_url}")
+            wait_healthy(f"{self.inference_url}/health", inference, s.startup_timeout, self._check_children)
+            wait_healthy(f"{self.sampler_url}/health", sampler, s.startup_timeout, self._check_children)
+            self._read_redis_pid()
+            trainer = self._start("trainer", _tandem(
+                "trainer", model=model_dir, sampler_url=self.sampler_url, run_dir=self.run_dir,
+                per_device_batch_size=s.per_device_batch_size, grad_accum_steps=s.grad_accum_steps,
+                max_steps=s.steps, learning_rate=s.learning_rate, loss=s.loss, eval_every=s.eval_every,
+                eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level,
+            ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
+            self.say(f"trainer (pid {trainer.pid}): {s.steps} steps of {s.prompts_per_step} prompts x "
+                     f"{s.num_generations} generations, k = {s.staleness}"
+                     f"{' (on-policy)' if s.staleness == 0 else ''}")
+            self.say(f"dashboard: {self.sampler_url}/")
+            startup_seconds = time.monotonic() - started
+
+            metrics = MetricsTail(self.run_dir / "trainer_metrics.jsonl")
+            display = Display(s.steps, self.out, s.progress)
+            deadline = time.monotonic() + s.timeout
+            try:
+                while trainer.returncode is None:
+                    self._check_children()
+                    for record in metrics.poll():
+                        display.update(record)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"the trainer did not finish {s.steps} steps within --timeout {s.timeout:.0f}s "
+                            f"({len(metrics.steps)} done); see {trainer.log_path}"
+                        )
+                    time.sleep(0.2)
+                for record in metrics.poll():
+                    display.update(record)
+            finally:
+                display.close()
+            self._check_children()  # the trainer exited: non-zero is a failure
+
+            served = self._get_json(f"{self.inference_url}/weight_info")
+            status = self._get_json(f"{self.sampler_url}/status")
+            train_done = time.monotonic()
+        except BaseException:
+            self.shutdown()
+            raise
+        codes = self.shutdown()
+        leftovers = {n: c.pid for n, c in self.children.items() if pid_alive(c.pid)}
+        if self.redis_pid is not None and pid_alive(self.redis_pid):
+            leftovers["redis-server"] = self.redis_pid
+        summary = self._summary(metrics, served, status, codes, leftovers,
+                                wall=time.monotonic() - started, until_trained=train_done - started,
+                                startup=startup_seconds)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        self._print_summary(summary)
+        return summary
+
+    @staticmethod
+    def _get_json(url: str) -> dict[str, Any] | None:
+        try:
+            response = httpx.get(url, timeout=10)
+            return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _summary(self, metrics: MetricsTail, served: dict | None, status: dict | None,
+                 codes: dict[str, int | None], leftovers: dict[str, int], *, wall: float,
+                 until_trained: float, startup: float) -> dict[str, Any]:
+        s = self.s
+        try:
+            trainer = json.loads((self.run_dir / "trainer_summary.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise DemoError(f"the trainer exited 0 but left no readable trainer_summary.json: {exc}") from None
+        label = (served or {}).get("weight_version")
+        return {
+            "steps": trainer.get("steps"),
+            "wall_seconds": round(wall, 2),
+            "eval_reward_before": trainer.get("eval_reward_before"),
+            "eval_reward_after": trainer.get("eval_reward_after"),
+            "staleness_mean": trainer.get("staleness_mean"),
+            "staleness_max": max((int(r.get("staleness_max", 0)) for r in metrics.steps), default=0),
+            "trainer_wait_fraction": trainer.get("trainer_wait_fraction"),
+            "max_staleness": s.staleness,
+            "on_policy": s.staleness == 0,
+            "seed": s.seed,
+            "startup_seconds": round(startup, 2),
+            "seconds_until_trained": round(until_trained, 2),
+            "trainer_seconds": trainer.get("wall_seconds"),
+            "reward_mean_first": trainer.get("reward_mean_first"),
+            "reward_mean_last": trainer.get("reward_mean_last"),
+            "evals": [{"label": e.get("label"), "version": e.get("version"), "reward": e.get("reward")}
+                      for e in metrics.evals],
+            "final_version": trainer.get("final_version"),
+            "inference_weight_version": label,
+            "sampler_published_version": ((status or {}).get("versions") or {}).get("published"),
+            "batch_shape": {"prompts_per_step": s.prompts_per_step, "num_generations": s.num_generations,
+                            "per_device_batch_size": s.per_device_batch_size,
+                            "grad_accum_steps": s.grad_accum_steps},
+            "dashboard_url": f"{self.sampler_url}/",
+            "run_dir": str(self.run_dir),
+            "pids": {n: c.pid for n, c in self.children.items()} | (
+                {"redis-server": self.redis_pid} if self.redis_pid is not None else {}),
+            "exit_codes": codes,
+            "processes_left": leftovers,
+            "settings": s.model_dump(mode="json"),
+        }
+
+    def _print_summary(self, summary: dict[str, Any]) -> None:
+        def num(key: str, spec: str = ".3f") -> str:
+            value = summary.get(key)
+            return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+        self.say("")
+        self.say("summary")
+        self.say(f"  steps                  {summary['steps']}  (k = {summary['max_staleness']}"
+                 f"{', on-policy' if summary['on_policy'] else ''}, seed {summary['seed']})")
+        self.say(f"  eval reward            {num('eval_reward_before', '.2f')} -> {num('eval_reward_after', '.2f')}"
+                 "  (greedy, held-out prompts)")
+        self.say(f"  wall time              {num('wall_seconds', '.1f')} s  (start-up {num('startup_seconds', '.1f')} s)")
+        self.say(f"  staleness mean         {num('staleness_mean', '.2f')}  (max {summary['staleness_max']})")
+        self.say(f"  trainer waiting        {100 * (summary.get('trainer_wait_fraction') or 0):.0f}% of its time")
+        self.say(f"  served weights         version {summary['inference_weight_version']}")
+        if summary["processes_left"]:
+            self.say(f"  WARNING: processes still running: {summary['processes_left']}")
+        self.say(f"  written to             {self.run_dir / 'summary.json'}")
+
+
+def run_demo(settings: DemoSettings, out: TextIO | None = None) -> dict[str, Any]:
+    """Run the demo; returns the summary (also in run_dir/summary.json)."""
+    return Demo(settings, out).run()
