@@ -114,12 +114,16 @@ def read_toml(path: Path | str, section: str) -> dict[str, Any]:
 
 
 def _is_list(annotation: Any) -> bool:
+    """A list of scalars (repeatable/comma flag); lists of objects are passed as one JSON string."""
     origin = typing.get_origin(annotation)
     if origin is Annotated:
         return _is_list(typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
-    return origin in (list, tuple, set)
+    if origin in (list, tuple, set):
+        items = typing.get_args(annotation)
+        return all(item in (str, int, float) for item in items) if items else True
+    return False
 
 
 def _is_bool(annotation: Any) -> bool:

@@ -17,8 +17,10 @@ from contextlib import asynccontextmanager
 import httpx
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from services.sampler.config import SamplerSettings
+from services.sampler.curriculum import Curriculum
 from services.sampler.envs import Environment, load_environment
 from services.sampler.evals import Evals
 from services.sampler.inference_pool import InferencePool
@@ -27,7 +29,10 @@ from services.sampler.notify import Notifier
 from services.sampler.producer import Producer
 from services.sampler.redis_server import start_embedded
 from services.sampler.rollout import Rollouts
-from services.sampler.routes import batch, evals, health, status, weights
+from services.sampler.sources import FreshGroups
+from services.sampler.observability import HttpMetricsMiddleware, Observability
+from services.sampler.rollout_log import RolloutLog
+from services.sampler.routes import batch, dashboard, evals, health, metrics, status, weights
 from services.sampler.state import SamplerState
 from services.sampler.store import Store
 from services.sampler.strategy import Strategy, load_strategy
@@ -62,7 +67,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         pool = InferencePool(settings.inference_urls, max_concurrency=settings.max_concurrency,
                              request_timeout=settings.request_timeout, retries=settings.request_retries, http=http,
                              on_version_change=notifier.notify)
-        sampling = {"temperature": settings.temperature, "top_p": settings.top_p, "max_tokens": settings.max_tokens}
+        sampling = {"temperature": settings.temperature, "top_p": settings.top_p}
+        if settings.max_tokens is not None:
+            sampling["max_tokens"] = settings.max_tokens
 
         def make_rollouts(environment: Environment) -> Rollouts:
             return Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,
@@ -76,15 +83,32 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             return rollouts if env_name in (None, "", settings.env) else make_rollouts(load_environment(env_name))
 
         weight_sync = WeightSync(pool, store, resume_deadline=settings.resume_deadline)
-        producer = Producer(store=store, notifier=notifier, pool=pool, rollouts=rollouts,
-                            strategy=strategy, env_name=env.name)
-        eval_jobs = Evals(redis, keys, notifier, rollouts_for,
+        curriculum = None
+        if settings.curriculum:
+            curriculum = Curriculum(settings.curriculum, seed=settings.seed, adaptive=settings.curriculum_adaptive,
+                                    redis=redis, key=keys.curriculum)
+            await curriculum.load()
+        source = FreshGroups(rollouts_for, env_name=env.name, prompts_per_step=settings.prompts_per_step,
+                             seed=settings.seed, filter_zero_variance=settings.filter_zero_variance,
+                             max_oversample=settings.max_oversample, curriculum=curriculum)
+        producer = Producer(store=store, notifier=notifier, pool=pool, source=source, strategy=strategy,
+                            redis=redis, keys=keys, env_name=env.name)
+        eval_jobs = Evals(redis, keys, notifier, rollouts_for, lessons=curriculum.lessons if curriculum else None,
                           concurrency=settings.eval_concurrency or max(1, settings.max_concurrency // 4),
-                          default_examples=settings.eval_examples, max_tokens=settings.max_tokens)
+                          default_examples=settings.eval_examples)
         state = SamplerState(settings=settings, redis=redis, redis_url=redis_url, embedded=embedded, store=store,
                              notifier=notifier, http=http, pool=pool, rollouts=rollouts, strategy=strategy,
-                             producer=producer, weight_sync=weight_sync, evals=eval_jobs, rollouts_for=rollouts_for)
+                             producer=producer, weight_sync=weight_sync, evals=eval_jobs, rollouts_for=rollouts_for,
+                             source=source, curriculum=curriculum)
         state.extra["supervisor"] = supervisor
+        # Observability: a per-app metrics registry, and the Parquet rollout log.
+        observability = state.extra["observability"] = Observability(state)
+        producer.on_sealed.append(observability.on_sealed)
+        weight_sync.on_synced.append(observability.on_synced)
+        if getattr(settings, "rollout_log", True):
+            rollout_log = state.extra["rollout_log"] = RolloutLog(settings.run_dir / "rollouts")
+            producer.on_sealed.append(rollout_log.on_sealed)
+        supervisor.spawn("throughput", observability.run)
 
         supervisor.spawn("events", notifier.run)
         await asyncio.wait_for(notifier.connected.wait(), 10)
@@ -117,6 +141,8 @@ def create_app(settings: SamplerSettings, env: Environment | None = None, strate
             yield {"sampler": state}
 
     app = FastAPI(title="Tandem sampler", version="0.1.0", lifespan=lifespan)
-    for module in (health, batch, weights, evals, status):
+    for module in (health, batch, weights, evals, status, metrics, dashboard):
         app.include_router(module.router)
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
+    app.add_middleware(HttpMetricsMiddleware)
     return app

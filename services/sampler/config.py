@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from shared.settings import CommaList, TandemSettings
+
+
+class CurriculumStage(BaseModel):
+    """Lessons (environment name -> weight) used until trainer step `until_step` (exclusive)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    until_step: int | None = Field(default=None, ge=1, description="None: until the end of the run")
+    lessons: dict[str, float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _weights(self) -> "CurriculumStage":
+        for name, weight in self.lessons.items():
+            if not weight > 0:
+                raise ValueError(f"lesson {name!r} has weight {weight}: weights must be > 0")
+        return self
+
+
+def _json_if_str(value: Any) -> Any:
+    """Structured settings may come from a flag or env var as a JSON string."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else None
+        except ValueError as exc:
+            raise ValueError(f"expected JSON, got {value!r}: {exc}") from None
+    return value
 
 
 class SamplerSettings(TandemSettings):
@@ -21,19 +48,49 @@ class SamplerSettings(TandemSettings):
     namespace: str = Field(default="default", description="run namespace: prefixes every Redis key")
     inference_urls: CommaList = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     env: str = Field(default="toy", description="environment name or 'package.module:factory'")
-    env_args: dict[str, str | int | float | bool] = Field(
+    env_args: Annotated[dict[str, str | int | float | bool], BeforeValidator(_json_if_str)] = Field(
         default_factory=dict, description="keyword arguments for the environment (JSON)"
     )
     prompts_per_step: int = Field(default=8, ge=1)
     num_generations: int = Field(default=8, ge=1)
     max_staleness: int = Field(default=1, ge=0)
     on_policy: bool = Field(default=False, description="synchronous on-policy: max_staleness = 0")
-    strategy: str = Field(default="off_policy", description="off_policy, on_policy or 'pkg.mod:Class'")
+    strategy: str = Field(default="off_policy", description="off_policy, on_policy, replay or 'pkg.mod:Class'")
+    num_iterations: int = Field(
+        default=1, ge=1, description="batch reuse: each generated batch is served for this many consecutive steps"
+    )
+    # Replay buffer (strategy = replay).
+    replay_sampling: Literal["uniform", "recency", "advantage"] = Field(
+        default="uniform", description="how replayed groups are drawn: uniform, recency, or by |advantage|"
+    )
+    replay_ratio: float = Field(default=0.5, ge=0.0, lt=1.0, description="share of each batch drawn from the pool")
+    max_reuse: int = Field(default=2, ge=1, description="times a sample may be served (fresh use included)")
+    max_age: int = Field(default=4, ge=0, description="replayed samples are at most this many versions old")
+    replay_capacity: int = Field(default=1024, ge=1, description="groups kept in the pool; oldest evicted")
+    replay_retention: Literal["all", "newest_per_prompt"] = Field(
+        default="all", description="newest_per_prompt keeps only the newest policy version's group per prompt"
+    )
+    # Dynamic sampling.
+    filter_zero_variance: bool = Field(default=False, description="drop groups whose rewards are all equal, refill")
+    max_oversample: float = Field(
+        default=2.0, ge=0.0, description="refill bound: at most this many extra groups per prompt slot"
+    )
+    # Curriculum: stages of lessons; JSON list or TOML array of tables.
+    curriculum: Annotated[list[CurriculumStage] | None, BeforeValidator(_json_if_str)] = Field(
+        default=None, description='e.g. [{"until_step": 50, "lessons": {"toy": 1}}, {"lessons": {"toy": 1, "math": 1}}]'
+    )
+    curriculum_adaptive: bool = Field(
+        default=False, description="scale lesson weights down as their recent success rate rises"
+    )
+    # Cadence check: when given, must match prompts_per_step * num_generations.
+    per_device_batch_size: int | None = Field(default=None, ge=1)
+    grad_accum_steps: int | None = Field(default=None, ge=1)
+    world_size: int | None = Field(default=None, ge=1)
     max_concurrency: int = Field(default=64, ge=1, description="inference requests in flight")
     eval_concurrency: int = Field(default=0, ge=0, description="eval requests in flight; 0 = a quarter of max_concurrency")
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="unset: the environment's default, else 16")
     seed: int = 0
     advantage: Literal["grpo", "no_std", "rloo"] = Field(
         default="grpo", description="grpo: (r-mean)/std; no_std: r-mean (Dr. GRPO); rloo: leave-one-out"
@@ -67,6 +124,24 @@ class SamplerSettings(TandemSettings):
         for url in self.inference_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"inference_urls: {url!r} is not an http(s) URL")
-        if self.advantage != "no_std" and self.advantage == "rloo" and self.num_generations < 2:
+        if self.advantage == "rloo" and self.num_generations < 2:
             raise ValueError("advantage=rloo needs num_generations >= 2")
+        if self.per_device_batch_size or self.grad_accum_steps or self.world_size:
+            per_device, accum, world = self.per_device_batch_size or 1, self.grad_accum_steps or 1, self.world_size or 1
+            if per_device * accum * world != self.batch_size:
+                raise ValueError(
+                    f"batch shape mismatch: per_device_batch_size {per_device} x grad_accum_steps {accum} "
+                    f"x world_size {world} = {per_device * accum * world}, but prompts_per_step "
+                    f"{self.prompts_per_step} x num_generations {self.num_generations} = {self.batch_size}; "
+                    "one sampler batch must feed exactly one optimizer step"
+                )
+        if self.keep_batches < self.num_iterations:
+            raise ValueError(
+                f"keep_batches {self.keep_batches} must be >= num_iterations {self.num_iterations}: "
+                "a reused batch must outlive its last use"
+            )
+        if self.curriculum:
+            for earlier, later in zip(self.curriculum, self.curriculum[1:]):
+                if earlier.until_step is None or (later.until_step is not None and later.until_step <= earlier.until_step):
+                    raise ValueError("curriculum stages need increasing until_step; only the last may omit it")
         return self

@@ -31,14 +31,15 @@ KEEP_EVALS = 200
 class Evals:
     def __init__(self, redis: aioredis.Redis, keys: Keys, notifier: Notifier,
                  rollouts_for: Callable[[str | None], Rollouts], *, concurrency: int,
-                 default_examples: int, max_tokens: int):
+                 default_examples: int, lessons: list[str] | None = None):
         self.r = redis
         self.keys = keys
         self.notifier = notifier
         self.rollouts_for = rollouts_for
         self.semaphore = asyncio.Semaphore(concurrency)
         self.default_examples = default_examples
-        self.max_tokens = max_tokens
+        # Under a curriculum, an eval without an env evaluates every lesson separately.
+        self.lessons = lessons
         self._tasks: set[asyncio.Task] = set()
 
     async def _save(self, record: dict[str, Any]) -> None:
@@ -110,6 +111,18 @@ class Evals:
         await self.r.publish(self.keys.events, f"eval:{record['eval_id']}")
 
     async def _evaluate(self, request: dict[str, Any]) -> dict[str, Any]:
+        if request.get("env") or not self.lessons:
+            return await self._evaluate_env(request)
+        lessons = {name: await self._evaluate_env({**request, "env": name}) for name in self.lessons}
+        return {
+            "env": "curriculum",
+            "lessons": lessons,
+            "num_examples": sum(r["num_examples"] for r in lessons.values()),
+            "reward_mean": float(np.mean([r["reward_mean"] for r in lessons.values()])),
+            "policy_version": min(r["policy_version"] for r in lessons.values()),
+        }
+
+    async def _evaluate_env(self, request: dict[str, Any]) -> dict[str, Any]:
         rollouts = self.rollouts_for(request.get("env"))
         examples = list(rollouts.env.examples("eval"))
         n = request.get("num_examples") or self.default_examples
@@ -117,7 +130,7 @@ class Evals:
         if not examples:
             raise ValueError(f"environment {rollouts.env.name!r} has no eval examples")
         sampling = {"temperature": request.get("temperature", 0.0),
-                    "max_tokens": request.get("max_tokens") or self.max_tokens}
+                    "max_tokens": request.get("max_tokens") or rollouts.max_tokens}
         if request.get("seed") is not None:
             sampling["seed"] = request["seed"]
         min_version = rollouts.pool.max_version() or 0

@@ -24,6 +24,14 @@ class Keys:
         self.batch_stats = self.prefix + "batch_stats"
         # Sorted set of eval ids by creation time, capped.
         self.evals = self.prefix + "evals"
+        # JSON: the curriculum's per-lesson success rates (adaptive weights).
+        self.curriculum = self.prefix + "curriculum"
+        # Replay pool (strategy = replay): hashes group_id -> JSON meta / msgpack samples.
+        self.replay_meta = self.prefix + "replay:meta"
+        self.replay_data = self.prefix + "replay:data"
+        # Sorted set: published weights version -> unix time of its publication, capped
+        # (the dashboard derives training time per step from it).
+        self.published = self.prefix + "published"
 
     def batch(self, step: int) -> str:
         """Sealed batch `step`: msgpack bytes, written once (SET NX), never modified."""

@@ -4,7 +4,9 @@ For each step N from where the run stands (the published version, skipping seale
 steps), it waits until some inference server serves version >= required_version(N),
 then builds batch N in its own task, so with k >= 1 generation of N+1 overlaps both
 training and the tail of N. Requests only go to servers new enough for their batch.
-A failed build is retried with backoff; the error is visible in /status meanwhile.
+A batch that reuses another step's samples (num_iterations > 1) is a copy of that step's
+sealed batch with use counts raised. A failed build is retried with backoff; the error
+is visible in /status meanwhile.
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from services.sampler.inference_pool import InferencePool
-from services.sampler.notify import Notifier
-from services.sampler.rollout import Rollouts, batch_payload
-from services.sampler.store import Store
-from services.sampler.strategy import Strategy
+import redis.asyncio as aioredis
+
 from shared import codec
+from services.sampler.inference_pool import InferencePool
+from services.sampler.keys import Keys
+from services.sampler.notify import Notifier
+from services.sampler.rollout import batch_stats
+from services.sampler.sources import FreshGroups
+from services.sampler.store import Store
+from services.sampler.strategy import BuildContext, Strategy
 
 log = logging.getLogger("tandem.sampler.producer")
 
@@ -36,19 +42,22 @@ class Progress:
 
 
 class Producer:
-    def __init__(self, *, store: Store, notifier: Notifier, pool: InferencePool,
-                 rollouts: Rollouts, strategy: Strategy, env_name: str):
+    def __init__(self, *, store: Store, notifier: Notifier, pool: InferencePool, source: FreshGroups,
+                 strategy: Strategy, redis: aioredis.Redis, keys: Keys, env_name: str):
         self.store = store
         self.notifier = notifier
         self.pool = pool
-        self.rollouts = rollouts
+        self.source = source
         self.strategy = strategy
+        self.redis = redis
+        self.keys = keys
         self.env_name = env_name
         self.in_progress: dict[int, Progress] = {}
         self.next_step = 0
         self.last_sealed: int | None = None
         self.last_error: str | None = None
         self.sealed_count = 0
+        self._tickets = 0
         self._tasks: set[asyncio.Task] = set()
         # Called with each newly sealed batch payload (metrics, rollout logs); errors are logged.
         self.on_sealed: list[Callable[[dict[str, Any]], Awaitable[None] | None]] = []
@@ -82,7 +91,10 @@ class Producer:
                 self.next_step = step
                 required = self.strategy.required_version(step)
                 await self._wait_until_servable(required)
-                task = asyncio.create_task(self._build(step, required), name=f"batch-{step}")
+                ticket = None
+                if self.strategy.base_step(step) == step:
+                    ticket, self._tickets = self._tickets, self._tickets + 1
+                task = asyncio.create_task(self._build(step, required, ticket), name=f"batch-{step}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 step += 1
@@ -92,15 +104,38 @@ class Producer:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _build(self, step: int, required: int) -> None:
+    async def _samples(self, step: int, required: int, ticket: int | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        base = self.strategy.base_step(step)
+        if ticket is None:
+            return await self._reuse(step, base), {"reused_from_step": base}
+        ctx = BuildContext(step=step, min_version=required, source=self.source, redis=self.redis,
+                           keys=self.keys, env_name=self.env_name, ticket=ticket)
+        samples = await self.strategy.assemble(ctx)
+        return samples, ctx.stats
+
+    async def _reuse(self, step: int, base: int) -> list[dict[str, Any]]:
+        """Batch `step` serves batch `base`'s samples again, one more use each."""
+        while True:
+            changed = self.notifier.changed()
+            payload = await self.store.get_batch(base)
+            if payload is not None:
+                break
+            await changed.wait()
+        samples = codec.unpack(payload)["samples"]
+        for sample in samples:
+            sample["use_count"] = sample.get("use_count", 1) + (step - base)
+        return samples
+
+    async def _build(self, step: int, required: int, ticket: int | None) -> None:
         progress = self.in_progress[step] = Progress(step, required)
         delay = 0.5
         try:
             while True:
                 progress.attempts += 1
                 try:
-                    groups = await self.strategy.assemble(step, self.rollouts)
-                    payload = batch_payload(step, groups, self.env_name, progress.started_at)
+                    samples, extra = await self._samples(step, required, ticket)
+                    stats = {**batch_stats(step, samples, progress.started_at, time.time()), **extra}
+                    payload = {"step": step, "samples": samples, "stats": stats}
                     outcome = await self.store.seal(step, codec.pack(payload))
                     break
                 except asyncio.CancelledError:
@@ -116,9 +151,8 @@ class Producer:
                 self.sealed_count += 1
                 self.last_sealed = step if self.last_sealed is None else max(self.last_sealed, step)
                 self.last_error = None
-                await self.store.add_batch_stats(payload["stats"])
+                await self.store.add_batch_stats(stats)
                 await self._run_hooks(payload)
-                stats = payload["stats"]
                 log.info("sealed batch %d: %d samples, reward %.3f, staleness mean %.2f, %.2fs",
                          step, stats["num_samples"], stats["reward_mean"], stats["staleness_mean"],
                          stats["generation_seconds"])

@@ -131,6 +131,8 @@ class Rollouts:
         self.seed = seed
         self.advantage = advantage
         self.model_name = model_name
+        # The sampler's setting, else the environment's default, else vLLM's default of 16.
+        self.max_tokens = int(sampling.get("max_tokens") or env.sampling.get("max_tokens") or 16)
         self.train = list(env.examples("train"))
         self.order = DatasetOrder(len(self.train), seed)
         self._model_lock = asyncio.Lock()
@@ -165,6 +167,7 @@ class Rollouts:
         body = {
             **self.env.sampling,
             **self.sampling,
+            "max_tokens": self.max_tokens,
             **sampling,
             "model": await self.model(),
             "prompt": prompt,
@@ -201,31 +204,6 @@ class Rollouts:
             info={"created_at": time.time()},
         )
 
-    async def groups_for_step(self, step: int, min_version: int) -> list[Group]:
-        """The step's fresh groups; a group with a sample older than `min_version` is redone."""
-        examples = self.examples_for_step(step)
-
-        async def one(j: int, example: Example) -> Group:
-            for attempt in range(3):
-                group = await self.group(
-                    example, f"s{step}-g{j}", min_version=min_version,
-                    seed=derive_seed(self.seed, step, j, attempt),
-                )
-                if min(group.policy_versions) >= min_version:
-                    return group
-            raise RuntimeError(
-                f"group {j} of step {step} kept coming back with weights older than version "
-                f"{min_version} (got {group.policy_versions}); is an inference server mislabelled?"
-            )
-
-        return list(await asyncio.gather(*(one(j, ex) for j, ex in enumerate(examples))))
-
-
-def batch_payload(step: int, groups: Sequence[Group], env_name: str, started_at: float) -> dict[str, Any]:
-    samples = [s for g in groups for s in g.samples(env_name)]
-    sealed_at = time.time()
-    return {"step": step, "samples": samples, "stats": batch_stats(step, samples, started_at, sealed_at)}
-
 
 def batch_stats(step: int, samples: list[dict[str, Any]], started_at: float, sealed_at: float) -> dict[str, Any]:
     rewards = np.array([s["reward"] for s in samples], dtype=float)
@@ -255,4 +233,6 @@ def batch_stats(step: int, samples: list[dict[str, Any]], started_at: float, sea
         "generation_started_at": started_at,
         "sealed_at": sealed_at,
         "generation_seconds": sealed_at - started_at,
+        "use_count_mean": float(np.mean([s.get("use_count", 1) for s in samples])) if samples else 0.0,
+        "use_count_max": int(max((s.get("use_count", 1) for s in samples), default=0)),
     }

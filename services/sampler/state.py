@@ -11,12 +11,14 @@ import httpx
 import redis.asyncio as aioredis
 
 from services.sampler.config import SamplerSettings
+from services.sampler.curriculum import Curriculum
 from services.sampler.evals import Evals
 from services.sampler.inference_pool import InferencePool
 from services.sampler.notify import Notifier
 from services.sampler.producer import Producer
 from services.sampler.redis_server import EmbeddedRedis
 from services.sampler.rollout import Rollouts
+from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
 from services.sampler.strategy import Strategy
 from services.sampler.weight_sync import WeightSync
@@ -38,5 +40,7 @@ class SamplerState:
     weight_sync: WeightSync
     evals: Evals
     rollouts_for: Callable[[str | None], Rollouts]
+    source: FreshGroups
+    curriculum: Curriculum | None
     started_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)

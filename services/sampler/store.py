@@ -102,10 +102,20 @@ class Store:
 
     async def publish_version(self, version: int, checkpoint_path: str | None) -> tuple[int, int]:
         """(outcome, previous): outcome 2 advanced, 1 repeated, 0 refused as lower."""
+        now = time.time()
         outcome, previous = await self._publish(
-            keys=[self.keys.meta], args=[version, checkpoint_path or "", self.keys.events, time.time()]
+            keys=[self.keys.meta], args=[version, checkpoint_path or "", self.keys.events, now]
         )
+        if int(outcome) == 2:
+            # Publication history for the dashboard's timeline; capped like the stats stream.
+            await self.r.zadd(self.keys.published, {str(version): now})
+            await self.r.zremrangebyrank(self.keys.published, 0, -self.stats_cap - 1)
         return int(outcome), int(previous)
+
+    async def version_publish_times(self, count: int = 500) -> dict[int, float]:
+        """The last `count` published versions -> unix time each was published."""
+        entries = await self.r.zrange(self.keys.published, -count, -1, withscores=True)
+        return {int(v): float(t) for v, t in entries}
 
     # --- inference servers ------------------------------------------------------------
 

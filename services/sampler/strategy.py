@@ -1,28 +1,58 @@
 """Sampling strategies: how rollouts become the batch for a step.
 
 A strategy answers two questions, and the service asks nothing else of it:
-* `required_version(step)`: the oldest weights version allowed in batch `step`. The
-  producer starts generating the batch once a server serves at least that version,
-  and `GET /batch` answers 409 while the published version is below it.
-* `assemble(step, source)`: the groups of batch `step`, drawn from `source` (fresh
-  rollouts for the step's prompts); a replay buffer or a filter would live here.
+* `required_version(step)`: the oldest weights version allowed for fresh rollouts of batch
+  `step`. The producer starts generating the batch once a server serves at least that
+  version, and `GET /batch` answers 409 while the published version is below it.
+* `assemble(ctx)`: the samples of batch `ctx.step`, built from `ctx.fresh(...)` (new,
+  scored groups for the step's prompts) and whatever state the strategy keeps.
 
-Custom strategies are loaded by import path: `strategy = "my_pkg.module:MyStrategy"`;
-the class is constructed with the sampler settings.
+Batch reuse (`num_iterations` = mu) is common to all strategies: steps mu*g .. mu*g+mu-1
+serve the samples generated for step mu*g, so the version rule follows that base step and
+a reused sample's staleness grows by one per reuse (honestly reported per step).
+
+Custom strategies are loaded by import path, `strategy = "my_pkg.module:MyStrategy"`: a
+`Strategy` subclass constructed with the sampler settings.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from services.sampler.config import SamplerSettings
-    from services.sampler.rollout import Group
+    from services.sampler.keys import Keys
+    from services.sampler.sources import FreshGroups
 
 
-class GroupSource(Protocol):
-    async def groups_for_step(self, step: int, min_version: int) -> list[Group]: ...
+@dataclass
+class BuildContext:
+    """What a strategy may use to build batch `step`."""
+
+    step: int
+    min_version: int
+    source: FreshGroups
+    redis: aioredis.Redis
+    keys: Keys
+    env_name: str
+    # Builds are numbered in the order the producer starts them (0, 1, ... per process);
+    # strategies with shared state use it to act in that order.
+    ticket: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    async def fresh(self, count: int, *, offset: int = 0) -> list[list[dict[str, Any]]]:
+        """`count` fresh scored groups (each a list of sample dicts) for this step."""
+        groups, fresh_stats = await self.source.groups(self.step, count, self.min_version, offset=offset)
+        for key, value in fresh_stats.as_stats().items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key in self.stats:
+                self.stats[key] += value
+            else:
+                self.stats[key] = value
+        return [g.samples(g.info.get("lesson", self.env_name)) for g in groups]
 
 
 class Strategy:
@@ -30,12 +60,26 @@ class Strategy:
 
     def __init__(self, settings: SamplerSettings):
         self.settings = settings
+        self.k = settings.staleness
+        self.mu = settings.num_iterations
+
+    def base_step(self, step: int) -> int:
+        """The step whose generated samples batch `step` serves (itself unless mu > 1)."""
+        return step - step % self.mu
 
     def required_version(self, step: int) -> int:
-        raise NotImplementedError
+        return max(0, self.base_step(step) - self.k)
 
-    async def assemble(self, step: int, source: GroupSource) -> list[Group]:
-        return await source.groups_for_step(step, self.required_version(step))
+    def oldest_allowed(self, step: int) -> int:
+        """The lowest policy_version a sample of batch `step` may carry."""
+        return self.required_version(step)
+
+    async def assemble(self, ctx: BuildContext) -> list[dict[str, Any]]:
+        groups = await ctx.fresh(self.settings.prompts_per_step)
+        return [sample for group in groups for sample in group]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"name": self.name, "max_staleness": self.k, "num_iterations": self.mu}
 
 
 class OffPolicy(Strategy):
@@ -43,15 +87,8 @@ class OffPolicy(Strategy):
 
     name = "off_policy"
 
-    def __init__(self, settings: SamplerSettings):
-        super().__init__(settings)
-        self.k = settings.staleness
 
-    def required_version(self, step: int) -> int:
-        return max(0, step - self.k)
-
-
-class OnPolicy(OffPolicy):
+class OnPolicy(Strategy):
     """k = 0: batch N only from version N; generation and training alternate."""
 
     name = "on_policy"
@@ -61,15 +98,19 @@ class OnPolicy(OffPolicy):
         self.k = 0
 
 
-BUILTINS: dict[str, type[Strategy]] = {"off_policy": OffPolicy, "on_policy": OnPolicy}
+def builtins() -> dict[str, type[Strategy]]:
+    from services.sampler.replay import Replay
+
+    return {"off_policy": OffPolicy, "on_policy": OnPolicy, "replay": Replay}
 
 
 def load_strategy(settings: SamplerSettings) -> Strategy:
     name = "on_policy" if settings.on_policy and settings.strategy == "off_policy" else settings.strategy
-    if name in BUILTINS:
-        return BUILTINS[name](settings)
+    known = builtins()
+    if name in known:
+        return known[name](settings)
     if ":" not in name:
-        raise ValueError(f"unknown strategy {name!r}: use one of {sorted(BUILTINS)} or 'package.module:Class'")
+        raise ValueError(f"unknown strategy {name!r}: use one of {sorted(known)} or 'package.module:Class'")
     module_name, _, attr = name.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)

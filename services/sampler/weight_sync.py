@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,8 @@ class WeightSync:
         self.resume_deadline = resume_deadline
         self.lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        # Called with every SyncResult (metrics); must not raise.
+        self.on_synced: list[Callable[[SyncResult], None]] = []
 
     async def _call(self, server: Server, step: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -129,14 +132,22 @@ class WeightSync:
             self.pool.set_version(server.url, version)
             await self._record(server)
             log.info("server %s now serves version %d (sync %.2fs)", server.url, version, seconds)
-            return SyncResult(server.url, True, version, seconds)
+            return self._report(SyncResult(server.url, True, version, seconds))
         message = str(error) if error else "resume failed"
         server.last_error = f"weight sync to version {version} failed at {message}"
         await self._record(server)
         log.error("weight sync of %s failed: %s (paused=%s)", server.url, message, paused)
         client_error = bool(error and error.status is not None and 400 <= error.status < 500
                             and error.step == "reload_weights")
-        return SyncResult(server.url, False, server.version, seconds, message, client_error)
+        return self._report(SyncResult(server.url, False, server.version, seconds, message, client_error))
+
+    def _report(self, result: SyncResult) -> SyncResult:
+        for hook in self.on_synced:
+            try:
+                hook(result)
+            except Exception:  # noqa: BLE001 - an observer must never break a sync
+                log.exception("on_synced hook %r failed", hook)
+        return result
 
     async def sync_all(self, version: int, checkpoint_path: str, servers: list[Server] | None = None) -> list[SyncResult]:
         targets = servers if servers is not None else self.pool.servers

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from services.sampler.deps import State
+from services.sampler.observability import extend_status
 
 router = APIRouter(tags=["status"])
 
@@ -22,7 +23,7 @@ async def get_status(state: State) -> dict[str, Any]:
     uptime = time.time() - state.started_at
     last = recent[-1] if recent else None
     ready = [step for step in sealed if step >= meta["version"]]
-    return {
+    body = {
         "config": {
             "namespace": s.namespace,
             "env": s.env,
@@ -34,11 +35,13 @@ async def get_status(state: State) -> dict[str, Any]:
             "on_policy": s.staleness == 0,
             "temperature": s.temperature,
             "top_p": s.top_p,
-            "max_tokens": s.max_tokens,
+            "max_tokens": state.rollouts.max_tokens,
             "max_concurrency": s.max_concurrency,
             "advantage": s.advantage,
             "seed": s.seed,
             "keep_batches": s.keep_batches,
+            "num_iterations": s.num_iterations,
+            "filter_zero_variance": s.filter_zero_variance,
             "inference_urls": s.inference_urls,
         },
         "steps": {
@@ -70,8 +73,13 @@ async def get_status(state: State) -> dict[str, Any]:
             "retries": pool.stats.retries,
             "errors": pool.stats.errors,
         },
+        "strategy": state.strategy.snapshot(),
+        "dynamic_sampling": state.source.snapshot(),
+        "curriculum": state.curriculum.snapshot(state.producer.next_step) if state.curriculum else None,
         "inference_servers": [srv.snapshot() for srv in pool.servers],
         "recent_batches": recent[-20:],
         "redis": {"url": state.redis_url.split("@")[-1], "embedded": state.embedded is not None},
         "uptime_seconds": uptime,
     }
+    await extend_status(state, body, recent)
+    return body
