@@ -274,7 +274,7 @@ def timeline(batches: list[dict[str, Any]], published: dict[int, float]) -> list
     Steps whose training has not finished have `train_end` null.
     """
     rows = []
-    for b in batches:
+    for b in sorted(batches, key=lambda b: b["step"]):  # seal order is not step order when k >= 1
         step = b["step"]
         start = b.get("sealed_at")
         if step > 0 and step in published:

@@ -197,6 +197,17 @@ class WeightSync:
         server.last_error = None
         if label is None:
             label = published if (published == 0 or checkpoint_path is None) else None
+        if label is not None and label > published:
+            # A label from another run (or a reused server): this run's numbering is the
+            # authority, and a sample must never claim a version newer than its step.
+            log.warning("server %s is labelled version %d, above this run's published %d; relabelling",
+                        server.url, label, published)
+            try:
+                await self._call(server, "update_weight_version", "POST", "/update_weight_version",
+                                 json={"new_version": str(published)})
+            except SyncStepError as exc:
+                log.warning("relabelling %s failed: %s", server.url, exc)
+            label = published
         if label is not None and label >= published:
             self.pool.set_version(server.url, label)
             await self._record(server)

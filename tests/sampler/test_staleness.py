@@ -2,35 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
+from tests.support.driver import drive
+
 STEPS = 20
-
-
-async def drive(url: str, steps: int, *, checkpoint: str | None, train_seconds: float) -> list[dict]:
-    """A minimal trainer: long-poll each batch through 204s, 'train', publish the next version."""
-    batches = []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        for step in range(steps):
-            while True:
-                response = await http.get("/batch", params={"step": step, "timeout": 10})
-                if response.status_code == 200:
-                    break
-                assert response.status_code == 204, response.text
-            batch = response.json()
-            # Re-reads are identical.
-            again = await http.get("/batch", params={"step": step, "timeout": 0})
-            assert again.content == response.content
-            batches.append(batch)
-            await asyncio.sleep(train_seconds)
-            body = {"version": step + 1, "checkpoint_path": checkpoint}
-            published = await http.post("/weights_version", json=body)
-            assert published.status_code == 200, published.text
-            assert published.json()["version"] == step + 1
-    return batches
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])

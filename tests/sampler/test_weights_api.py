@@ -71,3 +71,11 @@ def test_mutating_endpoints_need_the_token(make_sampler):
         # Reads stay open.
         assert http.get("/weights_version").status_code == 200
         assert http.get("/status").status_code == 200
+
+
+def test_a_server_labelled_ahead_of_the_run_is_relabelled(make_sampler, standin):
+    httpx.post(standin.url + "/update_weight_version", json={"new_version": "9"})
+    sampler = make_sampler()
+    batch = httpx.get(sampler.url + "/batch", params={"step": 0, "timeout": 20}, timeout=30).json()
+    assert {s["policy_version"] for s in batch["samples"]} == {0}
+    assert httpx.get(standin.url + "/weight_info").json()["weight_version"] == "0"

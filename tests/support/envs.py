@@ -24,3 +24,41 @@ class CountEnv(Environment):
 
     def examples(self, split):
         return [Example(f"count/{split}/{i}", f"count {i}", answer=i) for i in range(self.size)]
+
+
+async def _constant(example: Example, completion: Completion) -> float:
+    return 1.0
+
+
+async def _odd_prompts_vary(example: Example, completion: Completion) -> float:
+    # Prompts with an even number score 1 for every completion (no variance);
+    # odd ones score by the completion's length, which varies within a group.
+    if example.answer % 2 == 0:
+        return 1.0
+    return len(completion.token_ids) / 16
+
+
+class ConstEnv(CountEnv):
+    """Every completion scores 1: every group has zero reward variance."""
+
+    name = "const"
+    rewards = (Reward("one", _constant, 1.0),)
+
+
+class HalfFlatEnv(CountEnv):
+    """Groups of even-numbered prompts have zero variance; odd ones do not."""
+
+    name = "halfflat"
+    rewards = (Reward("mixed", _odd_prompts_vary, 1.0),)
+
+    def examples(self, split):
+        return [Example(f"halfflat/{split}/{i}", f"half {i}", answer=i) for i in range(self.size)]
+
+
+class LetterEnv(CountEnv):
+    """A second lesson for curriculum tests, with its own prompt ids."""
+
+    name = "letter"
+
+    def examples(self, split):
+        return [Example(f"letter/{split}/{i}", f"letter {chr(97 + i % 26)}", answer=i) for i in range(self.size)]

@@ -37,7 +37,8 @@ async def dashboard_data(
     rollouts: Annotated[int, Query(ge=0, le=200, description="recent rollouts to include")] = 100,
 ) -> dict[str, Any]:
     obs = state.extra["observability"]
-    recent = await state.store.recent_batch_stats(batches)
+    # Seal order is not step order when k >= 1; charts want steps in order.
+    recent = sorted(await state.store.recent_batch_stats(batches), key=lambda b: b["step"])
     published = await obs.version_times()
     return {
         "now": time.time(),

@@ -1,0 +1,118 @@
+"""The dashboard in a real headless Chromium (Playwright), against a live sampler.
+
+Checks that the charts draw data and grow as the test drives steps like a trainer,
+that HTML in prompts shows as text (never runs), that the rollout filter works and
+that the page logs no console errors. Chromium comes from the system (Debian's
+`chromium`; `make test` installs it); Playwright's own browser download is not used.
+Skips, saying why, only when no Chromium or no Playwright is available.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.observability.htmlenv import PAYLOAD
+from tests.observability.support import publish, run_eval, take_batch
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+def chromium_path() -> str | None:
+    candidates = [os.environ.get("TANDEM_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"]
+    for name in filter(None, candidates):
+        found = shutil.which(name) or (name if Path(name).is_file() else None)
+        if found:
+            return found
+    return None
+
+
+@pytest.fixture
+def page(tmp_path: Path):
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip("no Chromium found (install Debian's `chromium`, or set TANDEM_CHROMIUM to a Chrome binary)")
+    with sync_api.sync_playwright() as pw:
+        # A persistent context is how Playwright takes a user-data-dir: a fresh one per test.
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=executable, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1800},
+        )
+        try:
+            yield context.new_page()
+        finally:
+            context.close()
+
+
+def points(page, chart: str) -> int:
+    return int(page.get_attribute(f"#chart-{chart}", "data-points") or 0)
+
+
+def inked_pixels(page, chart: str) -> int:
+    """Non-transparent pixels on a chart's canvas: proof that something was drawn."""
+    return page.evaluate(
+        """(id) => { const c = document.getElementById(id);
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; }""",
+        f"chart-{chart}",
+    )
+
+
+def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
+    sampler = make_sampler(env="tests.observability.htmlenv:HtmlEnv", max_staleness=1)
+    problems: list[str] = []
+    page.on("console", lambda msg: msg.type in ("error", "warning") and problems.append(f"{msg.type}: {msg.text}"))
+    page.on("pageerror", lambda exc: problems.append(f"pageerror: {exc}"))
+
+    take_batch(sampler.url, 0)
+    page.goto(f"{sampler.url}/?interval=200")
+    page.wait_for_function("document.getElementById('chart-reward').dataset.points >= 1", timeout=15000)
+    page.wait_for_selector("#rollouts tbody tr", timeout=15000)
+    before = {chart: points(page, chart) for chart in ("reward", "timeline")}
+    assert page.text_content("#published") == "0"
+
+    # Untrusted text: the HTML in the prompt is shown literally and nothing of it runs.
+    prompt = page.text_content("#rollouts tbody tr td.prompt")
+    assert PAYLOAD in prompt
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("#rollouts img, #rollouts script, #rollouts b").count() == 0
+
+    # Drive three trainer steps and an eval; the page must follow without a reload.
+    publish(sampler.url, 1)
+    take_batch(sampler.url, 1)
+    publish(sampler.url, 2)
+    take_batch(sampler.url, 2)
+    publish(sampler.url, 3)
+    run_eval(sampler.url, num_examples=3)
+    page.wait_for_function("document.getElementById('published').textContent === '3'", timeout=15000)
+    page.wait_for_function(
+        f"document.getElementById('chart-reward').dataset.points >= {before['reward'] + 3}", timeout=15000)
+    page.wait_for_function("document.getElementById('chart-cps').dataset.points >= 2", timeout=15000)
+    assert points(page, "timeline") > before["timeline"]
+    assert points(page, "staleness") >= 2  # staleness 0 (step 0) and 1 (later steps, k = 1)
+    assert int(page.text_content("#next-step")) >= 3
+    for chart in ("reward", "staleness", "timeline", "cps", "tps"):
+        assert inked_pixels(page, chart) > 500, chart
+    assert page.text_content("#eval-reward") != "–"
+    servers = page.text_content("#servers tbody")
+    assert "healthy" in servers and "127.0.0.1" in servers
+
+    # The rollout filter narrows the table.
+    page.fill("#filter-step", "1")
+    steps = page.locator("#rollouts tbody tr td:first-child").all_text_contents()
+    assert steps and set(steps) == {"1"}
+    page.fill("#filter-step", "")
+    page.fill("#filter-text", "no rollout contains this")
+    assert page.locator("#rollouts tbody tr").count() == 0
+    assert page.evaluate("window.__pwned") is None
+    assert int(page.evaluate("document.body.dataset.updates")) >= 3  # it polled, it did not reload
+
+    assert problems == []

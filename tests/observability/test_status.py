@@ -1,0 +1,74 @@
+"""/status carries the observability facts; `tandem status` prints them; the timeline
+derivation (training per step from version publish times) is right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from services.sampler.observability import staleness_histogram, timeline
+from tests.observability.support import run_eval, train_steps
+from tests.support.servers import REPO
+
+
+def tandem(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "status", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
+
+
+def test_status_json_and_tandem_status_output(make_sampler, standin):
+    sampler = make_sampler(max_staleness=1)
+    train_steps(sampler.url, range(2))
+    run_eval(sampler.url, num_examples=3)
+    status = httpx.get(f"{sampler.url}/status", timeout=10).json()
+    # Existing keys stay (the trainer reads config), new ones are added.
+    assert status["config"]["batch_size"] == 16
+    assert status["versions"]["published"] == 2
+    assert sum(status["staleness"]["histogram"].values()) >= 32
+    assert set(status["staleness"]["histogram"]) <= {"0", "1"}
+    assert status["rewards"]["last_eval"]["num_examples"] == 3
+    assert status["rewards"]["last_batch_mean"] is not None
+    assert [row["step"] for row in status["timeline"]][:2] == [0, 1]
+    first, second = status["timeline"][:2]
+    assert second["train_end"] == status["versions"]["published_at"]  # step 1 ended with version 2
+    assert second["train_start"] >= first["train_end"] > first["train_start"] >= first["gen_end"]
+    assert "recent_completions_per_second" in status["throughput"]
+
+    done = tandem("--url", sampler.url)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for fact in ("Tandem sampler", sampler.url, "next step", "published version", "batches ready",
+                 "in-flight requests", "completions/s", standin.url, "healthy", "recent batches",
+                 "last eval reward"):
+        assert fact in out, f"{fact!r} missing from:\n{out}"
+
+    watched = tandem("--url", sampler.url, "--watch", "0.1", "--count", "2")
+    assert watched.returncode == 0, watched.stderr
+    assert "published version" in watched.stdout
+
+    raw = tandem("--url", sampler.url, "--json")
+    assert raw.returncode == 0 and '"published": 2' in raw.stdout
+
+
+def test_tandem_status_says_when_the_sampler_is_unreachable():
+    done = tandem("--url", "http://127.0.0.1:9", "--timeout", "2")
+    assert done.returncode == 1
+    assert "cannot reach the sampler at http://127.0.0.1:9" in done.stderr
+
+
+def test_timeline_derives_training_from_publish_times():
+    batches = [
+        {"step": 0, "generation_started_at": 0.0, "sealed_at": 2.0, "policy_versions": {"0": 4}},
+        {"step": 1, "generation_started_at": 1.0, "sealed_at": 3.0, "policy_versions": {"0": 3, "1": 1}},
+        {"step": 2, "generation_started_at": 6.0, "sealed_at": 9.0, "policy_versions": {"1": 4}},
+    ]
+    rows = timeline(batches, {1: 5.0, 2: 10.0})
+    # Step 0 trains from its seal to version 1; step 1 waits for version 1 (its batch was
+    # ready at 3); step 2 waits for version 2 (at 10, after its seal at 9) and has not
+    # finished (no version 3).
+    assert [(r["train_start"], r["train_end"]) for r in rows] == [(2.0, 5.0), (5.0, 10.0), (10.0, None)]
+    assert rows[2]["gen_start"] == 6.0 and rows[2]["gen_end"] == 9.0
+    assert timeline(batches[2:], {1: 5.0})[0]["train_start"] is None  # version 2 not published yet
+    assert staleness_histogram(batches) == {"0": 5, "1": 7}
