@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench lint clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tandem demo $(ARGS)
 
-test: $(STAMP)
+# The dashboard's browser test drives the system Chromium through Playwright (Playwright's
+# own browser download needs a network CI does not have). Installed once when missing and
+# when we are root with apt-get; otherwise that one test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    echo "installing chromium (apt-get) for the dashboard browser test" && \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1; } || \
+	  echo "note: chromium is missing and could not be installed: the dashboard browser test will skip"
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)

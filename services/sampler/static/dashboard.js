@@ -210,7 +210,7 @@ function timelineChart(canvas, rows, now) {
 
 function cell(row, text, cls) {
   const td = document.createElement("td");
-  td.innerHTML = text; // never innerHTML: prompts and completions are untrusted
+  td.textContent = text; // never innerHTML: prompts and completions are untrusted
   if (cls) td.className = cls;
   row.appendChild(td);
   return td;
