@@ -27,11 +27,12 @@ from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
 from services.sampler.producer import Producer
-from services.sampler.redis_server import start_embedded
+from services.sampler.redis_server import start_embedded, watch_embedded
 from services.sampler.rollout import Rollouts
 from services.sampler.sources import FreshGroups
 from services.sampler.observability import HttpMetricsMiddleware, Observability
 from services.sampler.rollout_log import RolloutLog
+from services.sampler import guards
 from services.sampler.routes import batch, dashboard, evals, health, metrics, status, weights
 from services.sampler.state import SamplerState
 from services.sampler.store import Store
@@ -92,7 +93,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                              seed=settings.seed, filter_zero_variance=settings.filter_zero_variance,
                              max_oversample=settings.max_oversample, curriculum=curriculum)
         producer = Producer(store=store, notifier=notifier, pool=pool, source=source, strategy=strategy,
-                            redis=redis, keys=keys, env_name=env.name)
+                            redis=redis, keys=keys, env_name=env.name, claim_ttl=settings.claim_ttl)
         eval_jobs = Evals(redis, keys, notifier, rollouts_for, lessons=curriculum.lessons if curriculum else None,
                           concurrency=settings.eval_concurrency or max(1, settings.max_concurrency // 4),
                           default_examples=settings.eval_examples)
@@ -120,8 +121,14 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         await eval_jobs.resume_unfinished()
         log.info("sampler ready: env %s, strategy %s (k=%s), %d inference server(s), redis %s",
                  env.name, strategy.name, settings.staleness, len(pool.servers), "embedded" if embedded else "external")
+        if embedded is not None:
+            supervisor.spawn("embedded redis watchdog", functools.partial(watch_embedded, embedded))
         yield state
     finally:
+        if "state" in locals():
+            # Start nothing new, let batches in flight seal, then stop the rest.
+            await supervisor.stop("producer")
+            await state.producer.drain(settings.drain_deadline)
         await supervisor.shutdown(SHUTDOWN_DEADLINE)
         if "state" in locals():
             await state.evals.shutdown()
@@ -138,6 +145,14 @@ def create_app(settings: SamplerSettings, env: Environment | None = None, strate
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, SamplerState]]:
         async with sampler_state(settings, env, strategy) as state:
+
+            def begin_closing() -> None:
+                state.closing.set()
+                state.notifier.notify()
+
+            # The server calls this on SIGTERM/SIGINT, before it waits for open requests,
+            # so long-polls answer 503 at once instead of holding the shutdown up.
+            app.state.begin_closing = begin_closing
             yield {"sampler": state}
 
     app = FastAPI(title="Tandem sampler", version="0.1.0", lifespan=lifespan)
@@ -145,4 +160,5 @@ def create_app(settings: SamplerSettings, env: Environment | None = None, strate
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
     app.add_middleware(HttpMetricsMiddleware)
+    guards.install(app, settings.max_body_bytes)
     return app

@@ -103,6 +103,13 @@ class SamplerSettings(TandemSettings):
     resume_deadline: float = Field(
         default=15.0, gt=0, description="seconds a weight sync retries /resume before handing it to a background retrier"
     )
+    generation_deadline: float = Field(
+        default=300.0, gt=0,
+        description="seconds a batch may be stuck (failing builds, no new-enough server) before GET /batch answers 503 with the cause",
+    )
+    claim_ttl: float = Field(default=10.0, gt=0, description="lease on a step being built; a replica takes over after it lapses")
+    drain_deadline: float = Field(default=20.0, ge=0, description="seconds a shutdown waits for batches in flight to seal")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, description="larger request bodies are answered 413")
     model_name: str | None = Field(default=None, description="model id sent to inference; unset = first of /v1/models")
     eval_examples: int = Field(default=64, ge=1, description="default num_examples for POST /eval")
 

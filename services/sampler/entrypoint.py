@@ -30,8 +30,17 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings, env, strategy)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=10)
+
+    class SamplerServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            closing = getattr(app.state, "begin_closing", None)
+            if closing is not None:
+                closing()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=10)
+    SamplerServer(config).run()
     return 0
 
 

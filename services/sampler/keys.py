@@ -37,6 +37,10 @@ class Keys:
         """Sealed batch `step`: msgpack bytes, written once (SET NX), never modified."""
         return f"{self.prefix}batch:{step}"
 
+    def claim(self, step: int) -> str:
+        """Lease of the sampler replica generating batch `step` (owner id, expires)."""
+        return f"{self.prefix}claim:{step}"
+
     def eval(self, eval_id: str) -> str:
         """Hash of one eval job: status, request, result, error, timestamps."""
         return f"{self.prefix}eval:{eval_id}"

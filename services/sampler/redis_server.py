@@ -93,8 +93,8 @@ def _ping(port: int) -> bool:
         return False
 
 
-def start_embedded(data_dir: Path, startup_timeout: float = 20.0) -> EmbeddedRedis:
-    """Reuse the redis-server already serving `data_dir`, or start one there."""
+def start_embedded(data_dir: Path, startup_timeout: float = 20.0, port: int | None = None) -> EmbeddedRedis:
+    """Reuse the redis-server already serving `data_dir`, or start one there (on `port` if given)."""
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     info_file = data_dir / "server.json"
@@ -108,7 +108,7 @@ def start_embedded(data_dir: Path, startup_timeout: float = 20.0) -> EmbeddedRed
             pass
         info_file.unlink(missing_ok=True)
 
-    port = free_port()
+    port = port or free_port()
     args = [
         redis_binary(),
         "--bind", "127.0.0.1",
@@ -137,3 +137,21 @@ def start_embedded(data_dir: Path, startup_timeout: float = 20.0) -> EmbeddedRed
     info_file.write_text(json.dumps({"pid": proc.pid, "port": port}))
     log.info("started embedded redis pid %s on port %s (data in %s)", proc.pid, port, data_dir)
     return EmbeddedRedis(data_dir, port, proc.pid, started_here=True)
+
+
+async def watch_embedded(server: EmbeddedRedis, interval: float = 1.0) -> None:
+    """Restart the embedded redis-server (same port, same AOF) if it dies under us.
+
+    Clients reconnect by themselves; what was acknowledged before the crash comes back
+    from the AOF (fsync every second, so at most about a second of writes is at risk).
+    """
+    import asyncio
+
+    while True:
+        await asyncio.sleep(interval)
+        if _alive(server.pid) or _ping(server.port):
+            continue
+        log.error("embedded redis-server (pid %s) is gone; restarting it on port %s", server.pid, server.port)
+        restarted = await asyncio.to_thread(start_embedded, server.data_dir, port=server.port)
+        server.pid = restarted.pid
+        server.started_here = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,4 +44,6 @@ class SamplerState:
     source: FreshGroups
     curriculum: Curriculum | None
     started_at: float = field(default_factory=time.time)
+    # Set when the server begins a graceful shutdown: long-polls return at once.
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -57,6 +57,23 @@ return #steps
 """
 
 
+# KEYS: claim. ARGV: owner, ttl_ms. Extends the lease only if we still hold it.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# KEYS: claim. ARGV: owner. Deletes the lease only if we hold it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 class Store:
     def __init__(self, client: aioredis.Redis, keys: Keys, stats_cap: int = 2000):
         self.r = client
@@ -65,6 +82,8 @@ class Store:
         self._seal = client.register_script(_SEAL)
         self._publish = client.register_script(_PUBLISH)
         self._trim = client.register_script(_TRIM)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
 
     # --- batches -------------------------------------------------------------------
 
@@ -83,6 +102,17 @@ class Store:
 
     async def trim_below(self, step: int) -> int:
         return int(await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix]))
+
+    # --- claims: which replica generates which step --------------------------------
+
+    async def claim(self, step: int, owner: str, ttl_ms: int) -> bool:
+        return bool(await self.r.set(self.keys.claim(step), owner, nx=True, px=ttl_ms))
+
+    async def renew_claim(self, step: int, owner: str, ttl_ms: int) -> bool:
+        return bool(await self._renew(keys=[self.keys.claim(step)], args=[owner, ttl_ms]))
+
+    async def release_claim(self, step: int, owner: str) -> None:
+        await self._release(keys=[self.keys.claim(step)], args=[owner])
 
     # --- versions ------------------------------------------------------------------
 

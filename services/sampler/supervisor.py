@@ -36,6 +36,13 @@ class Supervisor:
 
         self.tasks[name] = asyncio.create_task(guarded(), name=name)
 
+    async def stop(self, name: str) -> None:
+        """Cancel one task and wait for it (others keep running)."""
+        task = self.tasks.get(name)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     def snapshot(self) -> dict[str, str]:
         return {name: ("running" if not t.done() else "stopped") for name, t in self.tasks.items()}
 

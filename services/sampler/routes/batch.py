@@ -81,6 +81,13 @@ async def get_batch(
                     "published_version": meta["version"],
                 },
             )
+        stalled = state.producer.stall(step, state.settings.generation_deadline)
+        if stalled:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail=stalled, headers={"Retry-After": "5"})
+        if state.closing.is_set():
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
+                                detail="the sampler is shutting down; retry (a restarted sampler keeps every batch)",
+                                headers={"Retry-After": "1"})
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return Response(status_code=status.HTTP_204_NO_CONTENT)
