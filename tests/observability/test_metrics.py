@@ -63,7 +63,7 @@ def test_metrics_families_and_values(make_sampler, standin):
     assert m["tandem_sampler_reward"].type == "histogram"
     assert value(m, "tandem_sampler_reward", "_count") == sealed
     assert value(m, "tandem_sampler_staleness", "_count") == sealed
-    first = [b for b in batches if b["step"] == 0][0]
+    first = next(b for b in batches if b["step"] == 0)
     assert all(s["policy_version"] == 0 for s in first["samples"])
     assert 0 <= value(m, "tandem_sampler_staleness", "_sum") <= sealed  # k = 1
     assert value(m, "tandem_sampler_batch_seal_seconds", "_count") == sealed / 16

@@ -3,6 +3,7 @@ derivation (training per step from version publish times) is right."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,8 +15,10 @@ from tests.support.servers import REPO
 
 
 def tandem(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "status", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
+    # A wide terminal so rich does not fold the URLs; no TANDEM_SAMPLER_URL from the caller.
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_SAMPLER_URL"} | {"COLUMNS": "160"}
+    return subprocess.run([sys.executable, "-m", "services.cli", "status", *args], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_status_json_and_tandem_status_output(make_sampler, standin):
