@@ -57,9 +57,9 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[Any]:
         state = self.obs.state
         pool, rollouts = state.pool, state.rollouts
-        yield CounterMetricFamily("tandem_sampler_completions", "completions generated (training rollouts)",
+        yield CounterMetricFamily("tandem_sampler_completions", "completions generated with the run's environment (training and its evals)",
                                   value=rollouts.completions_done)
-        yield CounterMetricFamily("tandem_sampler_completion_tokens", "completion tokens generated (training rollouts)",
+        yield CounterMetricFamily("tandem_sampler_completion_tokens", "completion tokens generated with the run's environment (training and its evals)",
                                   value=rollouts.tokens_done)
         yield CounterMetricFamily("tandem_sampler_inference_errors", "failed inference attempts (5xx, transport)",
                                   value=pool.stats.errors)
