@@ -10,10 +10,6 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
     """Answer 413 to bodies over `limit` bytes, declared (Content-Length) or streamed."""
 
@@ -30,28 +26,33 @@ class BodyLimitMiddleware:
                 await self._reject(send)
                 return
         seen = 0
+        rejected = False
+        started = False
 
         async def counted() -> Message:
-            nonlocal seen
+            # Over the limit, answer 413 ourselves and tell the app the client went away,
+            # so it stops reading; anything it still sends is dropped.
+            nonlocal seen, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise BodyTooLarge
+                    rejected = True
+                    if not started:
+                        await self._reject(send)
+                    return {"type": "http.disconnect"}
             return message
 
-        started = False
-
-        async def tracking_send(message: Message) -> None:
+        async def guarded_send(message: Message) -> None:
             nonlocal started
+            if rejected:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        try:
-            await self.app(scope, counted, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._reject(send)
+        await self.app(scope, counted, guarded_send)
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps({"detail": f"request body larger than {self.limit} bytes"}).encode()
