@@ -17,9 +17,10 @@ Custom strategies are loaded by import path, `strategy = "my_pkg.module:MyStrate
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from services.sampler.plugins import load_by_path
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -109,14 +110,7 @@ def load_strategy(settings: SamplerSettings) -> Strategy:
     known = builtins()
     if name in known:
         return known[name](settings)
-    if ":" not in name:
-        raise ValueError(f"unknown strategy {name!r}: use one of {sorted(known)} or 'package.module:Class'")
-    module_name, _, attr = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load strategy {name!r}: {exc}") from None
-    strategy = cls(settings)
+    strategy = load_by_path(name, "strategy", list(known))(settings)
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy {name!r} is a {type(strategy).__name__}, not a Strategy subclass")
     return strategy

@@ -133,7 +133,7 @@ def start_redis_on(data_dir, port):
 
 @pytest.mark.parametrize("timeout", [30])
 def test_sigterm_ends_long_polls_at_once_and_drains(run_dir, standin, timeout):
-    from tests.support.servers import start_sampler_process
+    from tests.support.servers import kill_embedded_redis, start_sampler_process
 
     sampler = start_sampler_process(run_dir, inference_urls=[standin.url], env="tests.support.envs:CountEnv",
                                     prompts_per_step=2, num_generations=2, max_staleness=0)
@@ -173,13 +173,4 @@ def test_sigterm_ends_long_polls_at_once_and_drains(run_dir, standin, timeout):
         assert httpx.get(standin.url + "/is_paused").json()["is_paused"] is False
     finally:
         sampler.terminate()
-        import json
-        import os
-        import signal
-
-        info = run_dir / "redis" / "server.json"
-        if info.exists():
-            try:
-                os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_embedded_redis(run_dir)

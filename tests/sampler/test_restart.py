@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import httpx
 
-from tests.support.servers import free_port, start_sampler_process
-
-
-def _kill_embedded_redis(run_dir) -> None:
-    info = run_dir / "redis" / "server.json"
-    if info.exists():
-        try:
-            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+from tests.support.servers import free_port, kill_embedded_redis, start_sampler_process
 
 
 def test_kill_9_and_restart_keeps_sealed_batches(run_dir, standin):
@@ -51,7 +40,7 @@ def test_kill_9_and_restart_keeps_sealed_batches(run_dir, standin):
         assert {s["policy_version"] for s in nxt.json()["samples"]} <= {4, 5}
     finally:
         sampler.terminate()
-        _kill_embedded_redis(run_dir)
+        kill_embedded_redis(run_dir)
 
 
 def test_graceful_stop_and_restart_replays_the_aof(run_dir, standin):
@@ -72,4 +61,4 @@ def test_graceful_stop_and_restart_replays_the_aof(run_dir, standin):
         assert again.content == first.content
     finally:
         sampler.terminate()
-        _kill_embedded_redis(run_dir)
+        kill_embedded_redis(run_dir)

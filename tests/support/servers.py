@@ -176,3 +176,15 @@ def start_sampler_process(run_dir: Path, *, port: int | None = None, **settings:
     )
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     return proc.wait_ready()
+
+
+def kill_embedded_redis(run_dir: Path) -> None:
+    """Kill the embedded redis-server a sampler left under `run_dir` (tests clean up after drills)."""
+    import json
+
+    info = run_dir / "redis" / "server.json"
+    if info.exists():
+        try:
+            os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
+        except (ProcessLookupError, ValueError, KeyError):
+            pass

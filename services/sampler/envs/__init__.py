@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from services.sampler.plugins import load_by_path
 from services.sampler.envs.base import Completion, Environment, Example, Reward
 
 BUILTINS = {
@@ -15,14 +15,7 @@ BUILTINS = {
 
 def load_environment(name: str, **kwargs: Any) -> Environment:
     """`name` is a built-in ('toy', 'math') or 'package.module:factory'."""
-    target = BUILTINS.get(name, name)
-    if ":" not in target:
-        raise ValueError(f"unknown environment {name!r}: use one of {sorted(BUILTINS)} or 'package.module:factory'")
-    module_name, _, attr = target.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load environment {name!r}: {exc}") from None
+    factory = load_by_path(BUILTINS.get(name, name), "environment", list(BUILTINS))
     env = factory(**kwargs)
     if not isinstance(env, Environment):
         raise ValueError(f"environment {name!r} is a {type(env).__name__}, not an Environment")
