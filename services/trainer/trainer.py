@@ -73,6 +73,17 @@ def check_batch_shape(per_device_batch_size: int, grad_accum_steps: int, world_s
     return trainer_side
 
 
+def check_reuse(trainer_iterations: int, sampler_iterations: int) -> None:
+    """Batch reuse happens in one place: the sampler (steps serve a batch again) or the
+    trainer (several updates per step), not both, which would square the reuse silently."""
+    if trainer_iterations > 1 and sampler_iterations > 1:
+        raise SettingsError(
+            f"both the trainer (num_iterations {trainer_iterations}) and the sampler (num_iterations "
+            f"{sampler_iterations}) reuse batches: each batch would be trained on "
+            f"{trainer_iterations * sampler_iterations} times; set one of them to 1"
+        )
+
+
 def sampler_config(status: dict[str, Any]) -> dict[str, Any]:
     config = status.get("config")
     if not isinstance(config, dict) or any(k not in config for k in REQUIRED_STATUS_KEYS):
@@ -296,6 +307,7 @@ class Trainer:
             config = sampler_config(await self.client.status())
             check_batch_shape(s.per_device_batch_size, s.grad_accum_steps, world.world_size,
                               int(config["prompts_per_step"]), int(config["num_generations"]))
+            check_reuse(s.num_iterations, int(config.get("num_iterations", 1) or 1))
             temperature = resolve_temperature(s, config)
             max_len = s.max_completion_length or config.get("max_tokens")
             max_staleness = int(config.get("max_staleness", 0) or 0)

@@ -61,3 +61,13 @@ def test_settings_flags_and_disabling() -> None:
 def test_cli_without_model_exits_2_with_a_reason(capsys) -> None:
     assert main([], prog="tandem trainer") == 2
     assert "model is required" in capsys.readouterr().err
+
+
+def test_batch_reuse_in_both_places_is_refused():
+    from services.trainer.trainer import check_reuse
+    from shared.settings import SettingsError
+
+    check_reuse(1, 4)
+    check_reuse(3, 1)
+    with pytest.raises(SettingsError, match="trained on 6 times"):
+        check_reuse(3, 2)
