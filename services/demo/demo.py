@@ -48,6 +48,7 @@ from services.demo.processes import Child, ChildDied, free_port, pid_alive, stop
 
 MARKER = ".tandem-demo"
 SERVED_MODEL_NAME = "demo"
+FAILED_STOP_TIMEOUT = 5.0
 
 
 class DemoError(RuntimeError):
@@ -243,9 +244,11 @@ class Demo:
             return
         self._record_processes()
 
-    def shutdown(self) -> dict[str, int | None]:
+    def shutdown(self, failed: bool = False) -> dict[str, int | None]:
         """Stop every child by pid: trainer first (it drives the others), then sampler and
-        inference together; then the sampler's redis-server if it outlived the sampler."""
+        inference together; then the sampler's redis-server if it outlived the sampler.
+        After a failure the survivors get at most FAILED_STOP_TIMEOUT seconds: a sampler
+        whose inference server died spends its whole graceful-shutdown budget retrying it."""
         def on_signal(signum: int, frame: Any) -> None:
             self.hurry = True
 
@@ -259,7 +262,8 @@ class Demo:
             children = [self.children[n] for n in group if n in self.children]
             for child in children:
                 child.terminate()
-            deadline = time.monotonic() + self.s.stop_timeout
+            grace = min(self.s.stop_timeout, FAILED_STOP_TIMEOUT) if failed else self.s.stop_timeout
+            deadline = time.monotonic() + grace
             for child in children:
                 while child.returncode is None and time.monotonic() < deadline and not self.hurry:
                     time.sleep(0.05)
@@ -276,24 +280,11 @@ class Demo:
         started = time.monotonic()
         prepare_run_dir(self.run_dir)
         self.say(f"tandem demo: run_dir {self.run_dir} (logs in {self.run_dir / 'logs'})")
-        if s.model:
-            model_dir = Path(s.model).resolve()
-            if not (model_dir / "config.json").is_file():
-                raise DemoError(f"--model {s.model} is not a Hugging Face model directory (no config.json)")
-        else:
-            from services.inference.init_model import init_model
-
-            model_dir = init_model(self.run_dir / "model", preset=s.preset, seed=s.seed)
-            self.say(f"fresh {s.preset} model (seed {s.seed}) in {model_dir}")
-
+        if s.model and not (Path(s.model) / "config.json").is_file():
+            raise DemoError(f"--model {s.model} is not a Hugging Face model directory (no config.json)")
         token = secrets.token_urlsafe(16)
         threads = s.torch_threads
         try:
-            inference = self._start("inference", _tandem(
-                "inference", model=model_dir, host=s.host, port=self.inference_port,
-                served_model_name=SERVED_MODEL_NAME, torch_threads=threads, seed=s.seed,
-                run_dir=self.run_dir, log_level=s.log_level,
-            ), _child_env(threads))
             sampler = self._start("sampler", _tandem(
                 "sampler", host=s.host, port=self.sampler_port, run_dir=self.run_dir,
                 inference_urls=self.inference_url, env=s.env, model_name=SERVED_MODEL_NAME,
@@ -301,18 +292,33 @@ class Demo:
                 max_staleness=s.staleness, on_policy=s.on_policy, temperature=s.temperature,
                 max_tokens=s.max_tokens, seed=s.seed, eval_examples=s.eval_examples, log_level=s.log_level,
             ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
-            self.say(f"starting inference (pid {inference.pid}) on {self.inference_url} and "
-                     f"sampler (pid {sampler.pid}) on {self.sampler_url}")
-            wait_healthy(f"{self.inference_url}/health", inference, s.startup_timeout, self._check_children)
-            wait_healthy(f"{self.sampler_url}/health", sampler, s.startup_timeout, self._check_children)
-            self._read_redis_pid()
+            # The sampler needs no model: it starts while the model is written.
+            if s.model:
+                model_dir = Path(s.model).resolve()
+            else:
+                from services.inference.init_model import init_model
+
+                model_dir = init_model(self.run_dir / "model", preset=s.preset, seed=s.seed)
+                self.say(f"fresh {s.preset} model (seed {s.seed}) in {model_dir}")
+            inference = self._start("inference", _tandem(
+                "inference", model=model_dir, host=s.host, port=self.inference_port,
+                served_model_name=SERVED_MODEL_NAME, torch_threads=threads, seed=s.seed,
+                run_dir=self.run_dir, log_level=s.log_level,
+            ), _child_env(threads))
             trainer = self._start("trainer", _tandem(
                 "trainer", model=model_dir, sampler_url=self.sampler_url, run_dir=self.run_dir,
                 per_device_batch_size=s.per_device_batch_size, grad_accum_steps=s.grad_accum_steps,
                 max_steps=s.steps, learning_rate=s.learning_rate, loss=s.loss, eval_every=s.eval_every,
                 eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level,
             ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
-            self.say(f"trainer (pid {trainer.pid}): {s.steps} steps of {s.prompts_per_step} prompts x "
+            # The three start together: their start-up is mostly imports, and the trainer's
+            # client retries the sampler's /status (for 120 s) until the sampler answers.
+            self.say(f"started inference (pid {inference.pid}) on {self.inference_url}, sampler "
+                     f"(pid {sampler.pid}) on {self.sampler_url}, trainer (pid {trainer.pid})")
+            wait_healthy(f"{self.inference_url}/health", inference, s.startup_timeout, self._check_children)
+            wait_healthy(f"{self.sampler_url}/health", sampler, s.startup_timeout, self._check_children)
+            self._read_redis_pid()
+            self.say(f"training: {s.steps} steps of {s.prompts_per_step} prompts x "
                      f"{s.num_generations} generations, k = {s.staleness}"
                      f"{' (on-policy)' if s.staleness == 0 else ''}")
             self.say(f"dashboard: {self.sampler_url}/")
@@ -341,8 +347,8 @@ class Demo:
             served = self._get_json(f"{self.inference_url}/weight_info")
             status = self._get_json(f"{self.sampler_url}/status")
             train_done = time.monotonic()
-        except BaseException:
-            self.shutdown()
+        except BaseException as exc:
+            self.shutdown(failed=not isinstance(exc, (KeyboardInterrupt, Interrupted)))
             raise
         codes = self.shutdown()
         leftovers = {n: c.pid for n, c in self.children.items() if pid_alive(c.pid)}

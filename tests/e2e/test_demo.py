@@ -32,13 +32,6 @@ STEPS = 6
 K = 1
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.inference.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("e2e-model") / "tiny", preset="tiny", seed=0)
-
-
 def start_demo(run_dir: Path, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["PYTHONUNBUFFERED"] = "1"
@@ -183,34 +176,36 @@ def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_p
     # Clean shutdown: every child exited by itself on SIGTERM, nothing is left running.
     pids = {**summary["pids"]}
     assert set(pids) == {"inference", "sampler", "trainer", "redis-server"}
-    assert summary["exit_codes"] == {"trainer": 0, "sampler": 0, "inference": 0}
+    # uvicorn re-raises SIGTERM after its graceful shutdown, so -15 is a clean exit; -9 is not.
+    assert summary["exit_codes"]["trainer"] == 0
+    assert summary["exit_codes"]["sampler"] in (0, -signal.SIGTERM), summary["exit_codes"]
+    assert summary["exit_codes"]["inference"] in (0, -signal.SIGTERM), summary["exit_codes"]
     assert summary["processes_left"] == {}
     assert_all_gone(pids)
     for name in ("inference", "sampler", "trainer"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
 
 
-def test_a_dying_child_stops_the_demo_with_its_log_tail(tmp_path: Path, model_dir: Path) -> None:
+def test_a_dying_child_stops_the_demo_with_its_log_tail(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
-    proc = start_demo(run_dir, "--model", str(model_dir), "--steps", "500", "--eval-every", "0",
-                      "--no-progress")
+    proc = start_demo(run_dir, "--steps", "500", "--eval-every", "0", "--no-progress")
     pids = wait_for_processes(run_dir, proc, {"inference", "sampler", "trainer", "redis-server"}, 60)
     wait_for_steps(run_dir, proc, 1, 60)
     os.kill(pids["inference"], signal.SIGKILL)
     code, out, err = finish(proc, 45)
     assert code == 1, f"stdout:\n{out}\nstderr:\n{err}"
     assert f"inference (pid {pids['inference']}) was killed by signal 9" in err
-    assert "inference.log" in err and "Uvicorn running on" in err  # the tail of the child's own log
+    # The tail of the child's own log: uvicorn's access lines for the sampler's requests.
+    assert "logs/inference.log" in err and "HTTP/1.1\" 200 OK" in err
     assert not (run_dir / "summary.json").exists()
     assert_all_gone(pids)
 
 
-def test_sigterm_stops_every_child(tmp_path: Path, model_dir: Path) -> None:
+def test_sigterm_stops_every_child(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
-    proc = start_demo(run_dir, "--model", str(model_dir), "--steps", "500", "--eval-every", "0",
-                      "--no-progress")
+    proc = start_demo(run_dir, "--steps", "500", "--eval-every", "0", "--no-progress")
+    # As soon as every child exists (the trainer may still be importing torch).
     pids = wait_for_processes(run_dir, proc, {"inference", "sampler", "trainer", "redis-server"}, 60)
-    wait_for_steps(run_dir, proc, 1, 60)
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc, 45)
     assert code == 128 + signal.SIGTERM, f"stdout:\n{out}\nstderr:\n{err}"
@@ -220,7 +215,7 @@ def test_sigterm_stops_every_child(tmp_path: Path, model_dir: Path) -> None:
 
 def test_refuses_a_run_dir_it_did_not_create(tmp_path: Path) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
-    code, out, err = finish(start_demo(tmp_path, "--steps", "1"), 60)
+    code, _, err = finish(start_demo(tmp_path, "--steps", "1"), 60)
     assert code == 1 and "was not created by `tandem demo`" in err
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
