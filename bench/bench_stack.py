@@ -1,0 +1,112 @@
+"""The real CPU stack: tokens/s and trainer wait fraction, k = 0 (on-policy) vs k = 1.
+
+Drives `tandem demo` through its Python API (`services.demo.demo.run_demo`): the CPU
+inference server with a fresh tiny model (services/inference/init_model.py), the sampler
+with its embedded Redis and the GRPO trainer, each its own process, on the toy task.
+Everything but the max_staleness is the same in both runs (seed, shape, steps).
+
+From run_dir/trainer_metrics.jsonl, over the steps after warm-up: seconds per step (the
+spacing of the trainer's step records), generated completion tokens/s, and the trainer wait
+fraction (batch wait / step time); trainer_wait_fraction from trainer_summary.json (whole
+run, first step included) is reported too.
+
+Writes bench/results/stack.json and stack.md; `python -m bench stack`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench._common import host, median, write_results
+
+COMMAND = "make bench ARGS=stack  (or .venv/bin/python -m bench stack)"
+
+
+def _one(run_dir: Path, k: int, *, steps: int, warmup: int, prompts_per_step: int, num_generations: int,
+         max_tokens: int, seed: int) -> dict[str, Any]:
+    from services.demo.config import DemoSettings
+    from services.demo.demo import run_demo
+
+    settings = DemoSettings(run_dir=run_dir, steps=steps, max_staleness=k, on_policy=k == 0, seed=seed,
+                            prompts_per_step=prompts_per_step, num_generations=num_generations, max_tokens=max_tokens,
+                            eval_every=0, eval_examples=16, progress=False, log_level="warning", timeout=900)
+    summary = run_demo(settings, out=io.StringIO())
+    records = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps_rec = [r for r in records if r.get("event") == "step"]
+    measured = steps_rec[warmup:]
+    times = [r["time"] for r in measured]
+    intervals = [b - a for a, b in zip(times, times[1:])]
+    span = times[-1] - times[0]
+    # Tokens of the steps that finished inside the span (the first measured one finished at its start).
+    tokens = sum(r["completion_tokens_mean"] * r["samples"] for r in measured[1:])
+    wait = sum(r["batch_wait_s"] for r in measured[1:])
+    trainer_summary = json.loads((run_dir / "trainer_summary.json").read_text())
+    return {
+        "k": k,
+        "steps": len(steps_rec),
+        "measured_steps": len(measured) - 1,
+        "seconds_per_step_median": round(median(intervals), 3),
+        "seconds_per_step_mean": round(span / len(intervals), 3),
+        "completion_tokens_per_s": round(tokens / span, 1),
+        "completions_per_s": round(sum(r["samples"] for r in measured[1:]) / span, 1),
+        "trainer_wait_fraction_steady": round(wait / span, 3),
+        "trainer_wait_fraction_summary": round(trainer_summary["trainer_wait_fraction"], 3),
+        "train_s_median": round(median([r["train_s"] for r in measured]), 3),
+        "generation_s_median": round(median([r["generation_s"] for r in measured if r.get("generation_s")]), 3),
+        "staleness_mean": round(sum(r["staleness_mean"] for r in measured) / len(measured), 3),
+        "eval_reward_before": summary.get("eval_reward_before"),
+        "eval_reward_after": summary.get("eval_reward_after"),
+        "wall_seconds": summary.get("wall_seconds"),
+    }
+
+
+def run(results_dir: Path, *, steps: int = 16, warmup: int = 3, prompts_per_step: int = 8, num_generations: int = 8,
+        max_tokens: int = 4, seed: int = 0) -> dict:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-stack-") as tmp_name:
+        for k in (0, 1):
+            rows.append(_one(Path(tmp_name) / f"k{k}", k, steps=steps, warmup=warmup, prompts_per_step=prompts_per_step,
+                             num_generations=num_generations, max_tokens=max_tokens, seed=seed))
+    k0, k1 = rows
+    result = {
+        "benchmark": "stack",
+        "setup": {"model": "tiny preset, fresh (seed %d)" % seed, "env": "toy",
+                  "batch": f"{prompts_per_step} prompts x {num_generations} generations, max_tokens {max_tokens}",
+                  "steps": steps, "warmup_discarded": warmup,
+                  "processes": "tandem demo: CPU inference server, sampler (embedded Redis), trainer"},
+        "rows": rows,
+        "speedup_k1_over_k0_tokens_per_s": round(k1["completion_tokens_per_s"] / k0["completion_tokens_per_s"], 3),
+        "host": host(),
+        "command": COMMAND,
+    }
+    lines = [
+        "# Real CPU stack: on-policy (k = 0) vs one step of overlap (k = 1)",
+        "",
+        f"`tandem demo` (CPU inference server, sampler, trainer; tiny model, toy task), batch "
+        f"{result['setup']['batch']}, {steps} steps of which the first {warmup} are discarded. "
+        f"{host()['cpus']} CPUs shared by the three processes (and other work).",
+        "",
+        "| k | s/step (median) | s/step (mean) | completion tokens/s | completions/s | trainer wait (steady) | "
+        "trainer wait (whole run) | train s | generation s | staleness mean |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['k']} | {r['seconds_per_step_median']} | {r['seconds_per_step_mean']} | {r['completion_tokens_per_s']} | "
+            f"{r['completions_per_s']} | {r['trainer_wait_fraction_steady']:.0%} | {r['trainer_wait_fraction_summary']:.0%} | "
+            f"{r['train_s_median']} | {r['generation_s_median']} | {r['staleness_mean']} |"
+        )
+    lines += [
+        "",
+        f"k = 1 over k = 0: {result['speedup_k1_over_k0_tokens_per_s']}x tokens/s. On 2 shared cores inference and "
+        "training compete for the same CPU, so overlap buys less than on separate devices: the overlapped "
+        "generation runs slower while the trainer computes.",
+        "",
+        f"`{COMMAND}`",
+    ]
+    write_results(results_dir, "stack", result, "\n".join(lines))
+    return result

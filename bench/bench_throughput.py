@@ -1,0 +1,122 @@
+"""Sampler throughput with instantaneous inference: completions/s and sampler CPU per completion.
+
+Real processes on loopback: a private redis-server, the vLLM-protocol stand-in with
+token_latency 0 (every token is free), the sampler (`tandem sampler`, the built-in toy
+environment) and a trainer stand-in that takes each batch (msgpack) and publishes the next
+version immediately (T = 0). max_staleness 2 lets the producer run up to two batches ahead.
+
+Measured over the steps after warm-up: completions/s at the trainer (wall), and the
+sampler process's CPU seconds (utime + stime from /proc/PID/stat, all threads) per
+completion; 1 / that is what one core of sampler could sustain if inference, Redis and the
+trainer were elsewhere. On a 2-core machine all four processes share the cores, so the wall
+rate is bounded by the stand-in as much as by the sampler: both CPU figures are reported.
+Target: >= 5,000 completions/s.
+
+Writes bench/results/throughput.json and throughput.md; `python -m bench throughput`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench._common import (
+    cpu_seconds, host, median, redis_server, sampler_process, standin_process, trainer_loop, write_results,
+)
+
+COMMAND = "make bench ARGS=throughput  (or .venv/bin/python -m bench throughput)"
+
+
+def _one_run(tmp: Path, redis_url: str, *, steps: int, warmup: int, shape: dict[str, int],
+             max_concurrency: int) -> dict[str, Any]:
+    with standin_process(tmp, 0.0) as standin:
+        with sampler_process(tmp / f"run-{uuid.uuid4().hex[:8]}", redis_url=redis_url,
+                             namespace="t" + uuid.uuid4().hex[:10], inference_urls=[standin.url],
+                             max_staleness=2, max_concurrency=max_concurrency, keep_batches=4, **shape) as sampler:
+            marks: dict[str, float] = {}
+
+            async def on_step(step: int) -> None:
+                if step == warmup:
+                    marks.update(t=time.perf_counter(), sampler=cpu_seconds(sampler.pid),
+                                 standin=cpu_seconds(standin.pid))
+
+            records = asyncio.run(trainer_loop(sampler.url, steps, 0.0, on_step=on_step, deadline_s=300))
+            end = {"t": time.perf_counter(), "sampler": cpu_seconds(sampler.pid), "standin": cpu_seconds(standin.pid)}
+    measured = records[warmup + 1:]
+    completions = sum(r["samples"] for r in measured)
+    tokens = sum(r["stats"]["completion_tokens_mean"] * r["samples"] for r in measured)
+    wall = end["t"] - marks["t"]
+    sampler_cpu = end["sampler"] - marks["sampler"]
+    standin_cpu = end["standin"] - marks["standin"]
+    return {
+        "completions": completions,
+        "wall_s": round(wall, 3),
+        "completions_per_s": round(completions / wall, 1),
+        "completion_tokens_per_s": round(tokens / wall, 1),
+        "sampler_cpu_s": round(sampler_cpu, 3),
+        "sampler_cpu_us_per_completion": round(sampler_cpu / completions * 1e6, 1),
+        "sampler_core_utilisation": round(sampler_cpu / wall, 3),
+        "sampler_one_core_capacity_completions_per_s": round(completions / sampler_cpu, 1) if sampler_cpu else None,
+        "standin_cpu_us_per_completion": round(standin_cpu / completions * 1e6, 1),
+        "batch_bytes_msgpack": measured[-1]["bytes"] if measured else None,
+    }
+
+
+def run(results_dir: Path, *, steps: int = 18, warmup: int = 3, repeats: int = 3, prompts_per_step: int = 64,
+        num_generations: int = 16, max_tokens: int = 16, max_concurrency: int = 64) -> dict:
+    shape = {"prompts_per_step": prompts_per_step, "num_generations": num_generations, "max_tokens": max_tokens}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-throughput-") as tmp_name:
+        tmp = Path(tmp_name)
+        with redis_server(tmp) as redis_url:
+            runs = [_one_run(tmp, redis_url, steps=steps, warmup=warmup, shape=shape, max_concurrency=max_concurrency)
+                    for _ in range(repeats)]
+    keys = ("completions_per_s", "completion_tokens_per_s", "sampler_cpu_us_per_completion",
+            "sampler_core_utilisation", "sampler_one_core_capacity_completions_per_s", "standin_cpu_us_per_completion")
+    med = {k: median([r[k] for r in runs if r[k] is not None]) for k in keys}
+    result = {
+        "benchmark": "throughput",
+        "setup": {"batch": f"{prompts_per_step} prompts x {num_generations} generations (n per request), "
+                           f"max_tokens {max_tokens}, temperature 1, toy env",
+                  "inference": "stand-in, token_latency 0", "max_staleness": 2, "max_concurrency": max_concurrency,
+                  "steps": steps, "warmup_discarded": warmup, "repeats": repeats,
+                  "trainer": "GET /batch (msgpack) -> POST /weights_version at once (T = 0)"},
+        "runs": runs,
+        "median": med,
+        "target_completions_per_s": 5000,
+        "meets_target_wall": med["completions_per_s"] >= 5000,
+        "meets_target_one_core_capacity": (med["sampler_one_core_capacity_completions_per_s"] or 0) >= 5000,
+        "host": host(),
+        "command": COMMAND,
+    }
+    lines = [
+        "# Sampler throughput (instantaneous inference)",
+        "",
+        f"Stand-in inference with zero latency, batch {result['setup']['batch']}, trainer stand-in with T = 0, "
+        f"max_staleness 2; {steps - warmup - 1} measured steps after {warmup} warm-up, {repeats} runs. "
+        f"Sampler, stand-in, Redis and trainer share {host()['cpus']} CPUs (shared with other work).",
+        "",
+        "| run | completions/s (wall) | tokens/s | sampler CPU us/completion | sampler cores busy | one-core capacity completions/s | stand-in CPU us/completion |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(runs + [med]):
+        lines.append(
+            f"| {'median' if i == len(runs) else i + 1} | {r['completions_per_s']} | {r['completion_tokens_per_s']} | "
+            f"{r['sampler_cpu_us_per_completion']} | {r['sampler_core_utilisation']} | "
+            f"{r['sampler_one_core_capacity_completions_per_s']} | {r['standin_cpu_us_per_completion']} |"
+        )
+    lines += [
+        "",
+        "One-core capacity = completions / sampler CPU seconds: the rate one dedicated core of sampler sustains.",
+        f"Target >= 5,000 completions/s: wall {'met' if result['meets_target_wall'] else 'NOT met'} "
+        f"({med['completions_per_s']}/s); one-core capacity "
+        f"{'met' if result['meets_target_one_core_capacity'] else 'NOT met'} "
+        f"({med['sampler_one_core_capacity_completions_per_s']}/s).",
+        "",
+        f"`{COMMAND}`",
+    ]
+    write_results(results_dir, "throughput", result, "\n".join(lines))
+    return result
