@@ -63,7 +63,8 @@ class Batch(_Open):
 class WeightsVersionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=0, description="weights version: number of optimizer updates applied")
+    # Redis scripts compare versions as Lua numbers (doubles): exact only up to 2**53.
+    version: int = Field(ge=0, le=2**53, description="weights version: number of optimizer updates applied")
     checkpoint_path: str | None = Field(
         default=None,
         description="HF-format checkpoint directory the sampler loads into every inference "

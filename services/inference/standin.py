@@ -36,6 +36,8 @@ class StandInState:
     reloads: list[str] = field(default_factory=list)
     requests: int = 0
     fail_next: int = 0  # answer this many completion requests with 503 (fault drills)
+    reload_delay: float = 0.0  # seconds each reload_weights takes (shutdown-during-sync drills)
+    reply: str | None = None  # when set, every completion is this text (escaping drills)
     max_model_len: int = 4096
     model_id: str = "standin"
 
@@ -103,10 +105,18 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         token_ids: list[int] = []
         labels: list[str] = []
         finish = "length"
+        scripted = list(s.reply.encode()) if s.reply is not None else None
         for _ in range(max_tokens):
             await s.resumed.wait()  # a paused (keep) server freezes requests between tokens
             if s.token_latency:
                 await asyncio.sleep(s.token_latency)
+            if scripted is not None:
+                if len(token_ids) == len(scripted):
+                    finish = "stop"
+                    break
+                token_ids.append(scripted[len(token_ids)])
+                labels.append(s.version)
+                continue
             if temperature > 0 and rng.random() < 0.1:
                 finish = "stop"
                 break
@@ -114,7 +124,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
             labels.append(s.version)
         choice: dict[str, Any] = {
             "index": index,
-            "text": bytes(token_ids).decode(),
+            "text": bytes(token_ids).decode(errors="replace"),
             "finish_reason": finish,
             "logprobs": {"token_logprobs": [-math.log(len(ALPHABET))] * len(token_ids),
                          "tokens": [chr(t) for t in token_ids], "top_logprobs": None, "text_offset": []},
@@ -158,6 +168,8 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         path = (body.get("kwargs") or {}).get("weights_path")
         if not path or path.endswith("does-not-exist"):
             return _error(400, f"cannot load weights from {path!r}")
+        if st(request).reload_delay:
+            await asyncio.sleep(st(request).reload_delay)
         st(request).reloads.append(path)
         return {"results": [None]}
 
@@ -179,6 +191,16 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
     async def fail(request: Request, count: int = 1) -> dict[str, int]:
         st(request).fail_next = count
         return {"fail_next": count}
+
+    @app.post("/_standin/configure")
+    async def configure(request: Request) -> dict[str, Any]:
+        """Test hooks: {"reload_delay": seconds, "reply": text or null}; omitted keys stay."""
+        s, body = st(request), await request.json()
+        if "reload_delay" in body:
+            s.reload_delay = float(body["reload_delay"])
+        if "reply" in body:
+            s.reply = body["reply"]
+        return {"reload_delay": s.reload_delay, "reply": s.reply}
 
     @app.get("/_standin/stats")
     async def stats(request: Request) -> dict[str, Any]:

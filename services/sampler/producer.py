@@ -99,18 +99,22 @@ class Producer:
 
     async def run(self) -> None:
         """Start a build for every unsealed step, in order, as soon as it may start."""
-        meta = await self.store.meta()
-        step = max(meta["trimmed_below"], meta["version"])
+        step = await self._floor()
         sealed = set(await self.store.sealed_steps())
         watcher = asyncio.create_task(self._watch_foreign(), name="watch-foreign-claims")
         try:
             while True:
+                # A published version can jump ahead (a resumed trainer, a fresh Redis): steps
+                # below where the run stands are never needed, so never build them.
+                step = max(step, await self._floor())
                 if step in sealed or await self.store.is_sealed(step):
                     step += 1
                     continue
                 self.next_step = step
                 required = self.strategy.required_version(step)
                 await self._wait_until_servable(required)
+                if step < await self._floor():
+                    continue
                 if await self.store.claim(step, self.owner, self.claim_ttl_ms):
                     self._start(step, required)
                 else:
@@ -120,6 +124,11 @@ class Producer:
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _floor(self) -> int:
+        """The first step the run may still need: not trimmed, not yet trained on."""
+        meta = await self.store.meta()
+        return max(meta["trimmed_below"], meta["version"])
 
     def _start(self, step: int, required: int) -> None:
         ticket = None

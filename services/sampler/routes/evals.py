@@ -6,14 +6,31 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
+from services.sampler.config import SamplerSettings
 from services.sampler.deps import Authorized, State
+from services.sampler.envs import BUILTINS
 from shared.wire import EvalAccepted, EvalRequest, EvalResult
 
 router = APIRouter(tags=["eval"])
 
 
+def allowed_envs(settings: SamplerSettings) -> set[str]:
+    """What an eval's `env` may name: the built-ins and what the operator configured.
+
+    Never an arbitrary `package.module:factory` from the request: loading one imports a
+    module and calls whatever it names (`os:abort` would kill the sampler).
+    """
+    lessons = {name for stage in settings.curriculum or [] for name in stage.lessons}
+    return {*BUILTINS, settings.env, *lessons}
+
+
 @router.post("/eval", status_code=status.HTTP_202_ACCEPTED, response_model=EvalAccepted, dependencies=[Authorized])
 async def start_eval(body: EvalRequest, state: State) -> EvalAccepted:
+    allowed = allowed_envs(state.settings)
+    if body.env and body.env not in allowed:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            detail=f"environment {body.env!r} is not available for evals: use one of {sorted(allowed)} "
+                            "(the built-ins, the sampler's env and its curriculum lessons)")
     try:
         eval_id = await state.evals.start(body.model_dump())
     except ValueError as exc:

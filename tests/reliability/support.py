@@ -1,0 +1,163 @@
+"""Helpers for the reliability drills: processes we can kill, Redis we can restart on the
+same port, and readers that compare what the sampler serves byte for byte.
+
+Every helper that starts something registers its cleanup with a `Cleanup` (the `cleanup`
+fixture), which runs even when the drill fails half-way: processes are stopped by pid,
+embedded redis-servers by the pid in `run_dir/redis/server.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis as redis_py
+
+from services.sampler.redis_server import redis_binary
+from tests.support.servers import ServiceProcess, free_port
+
+MSGPACK = {"Accept": "application/msgpack"}
+
+
+class Cleanup:
+    """Callbacks run in reverse order; one failing does not stop the others."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], Any]] = []
+
+    def add(self, callback: Callable[[], Any]) -> None:
+        self._callbacks.append(callback)
+
+    def run(self) -> None:
+        errors = []
+        while self._callbacks:
+            try:
+                self._callbacks.pop()()
+            except Exception as exc:  # noqa: BLE001 - clean up everything, report after
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(f"cleanup failed: {errors!r}")
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05,
+             detail: Callable[[], str] | None = None) -> Any:
+    """Poll `predicate` until it returns something truthy; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = f"\n{detail()}" if detail else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{extra}")
+        time.sleep(interval)
+
+
+def kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def embedded_redis(run_dir: Path) -> dict[str, int] | None:
+    """{"pid", "port"} of the embedded redis-server a sampler started under `run_dir`."""
+    info = Path(run_dir) / "redis" / "server.json"
+    try:
+        return json.loads(info.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def kill_embedded_redis(run_dir: Path) -> None:
+    info = embedded_redis(run_dir)
+    if info:
+        kill_pid(info["pid"])
+
+
+def stop_process(proc: ServiceProcess) -> None:
+    """SIGKILL the process group if it still runs (cleanup after a drill, not the drill)."""
+    if proc.popen.poll() is None:
+        try:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.popen.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    proc._log.close()
+
+
+def start_redis_at(data_dir: Path, port: int | None = None, cleanup: Cleanup | None = None
+                   ) -> tuple[ServiceProcess, str]:
+    """A private redis-server with AOF (fsync every second) on `port` (or a free one)."""
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    proc = ServiceProcess(
+        [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+         "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
+        name="redis-server", log_path=data_dir / "redis.log",
+    )
+    if cleanup is not None:
+        cleanup.add(lambda: stop_process(proc))
+
+    def up() -> bool:
+        assert proc.popen.poll() is None, f"redis-server exited:\n{proc.log_tail()}"
+        try:
+            return bool(redis_py.Redis(port=port, socket_timeout=1).ping())
+        except redis_py.RedisError:
+            return False
+
+    wait_for(up, 20, f"redis-server on port {port}", detail=proc.log_tail)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def start_standin_process(log_dir: Path, cleanup: Cleanup, token_latency: float = 0.0) -> ServiceProcess:
+    """The inference stand-in as its own process, so that it can be killed -9."""
+    port = free_port()
+    proc = ServiceProcess(
+        [sys.executable, "-m", "services.inference.standin", "--port", str(port),
+         "--token-latency", str(token_latency)],
+        name="standin", log_path=log_dir / f"standin-{port}.log", ready_url=f"http://127.0.0.1:{port}/health",
+    )
+    cleanup.add(lambda: stop_process(proc))
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return proc.wait_ready(60)
+
+
+def sealed_steps(url: str) -> list[int]:
+    return httpx.get(f"{url}/status", timeout=30).json()["steps"]["sealed_steps"]
+
+
+def batch_bytes(url: str, step: int, timeout: float = 0.0) -> bytes | None:
+    """Batch `step` exactly as stored (msgpack); None when it is not sealed (yet)."""
+    response = httpx.get(f"{url}/batch", params={"step": step, "timeout": timeout}, headers=MSGPACK,
+                         timeout=timeout + 30)
+    if response.status_code == 204:
+        return None
+    assert response.status_code == 200, (step, response.status_code, response.text[:300])
+    return response.content
+
+
+def redis_keys(redis_url: str, namespace: str) -> dict[str, Any]:
+    """The run's durable state as Redis holds it: batch keys, the sealed index, claims."""
+    client = redis_py.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        prefix = f"tandem:{namespace}:"
+        keys = [k.decode() for k in client.scan_iter(match=prefix + "*", count=1000)]
+        batches = sorted(int(k[len(prefix + "batch:"):]) for k in keys if k.startswith(prefix + "batch:"))
+        claims = {k: client.get(k) for k in keys if k.startswith(prefix + "claim:")}
+        sealed = sorted(int(s) for s in client.zrange(prefix + "sealed", 0, -1))
+        meta = {k.decode(): v.decode() for k, v in client.hgetall(prefix + "meta").items()}
+        return {"batches": batches, "sealed": sealed, "claims": claims, "meta": meta}
+    finally:
+        client.close()
