@@ -93,6 +93,7 @@ def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     publish(sampler.url, 3)
     run_eval(sampler.url, num_examples=3)
     page.wait_for_function("document.getElementById('published').textContent === '3'", timeout=15000)
+    page.wait_for_function("document.getElementById('eval-reward').textContent !== '–'", timeout=15000)
     page.wait_for_function(
         f"document.getElementById('chart-reward').dataset.points >= {before['reward'] + 3}", timeout=15000)
     page.wait_for_function("document.getElementById('chart-cps').dataset.points >= 2", timeout=15000)
@@ -101,7 +102,6 @@ def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     assert int(page.text_content("#next-step")) >= 3
     for chart in ("reward", "staleness", "timeline", "cps", "tps"):
         assert inked_pixels(page, chart) > 500, chart
-    assert page.text_content("#eval-reward") != "–"
     servers = page.text_content("#servers tbody")
     assert "healthy" in servers and "127.0.0.1" in servers
 
