@@ -106,7 +106,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         observability = state.extra["observability"] = Observability(state)
         producer.on_sealed.append(observability.on_sealed)
         weight_sync.on_synced.append(observability.on_synced)
-        if getattr(settings, "rollout_log", True):
+        if settings.rollout_log:
             rollout_log = state.extra["rollout_log"] = RolloutLog(settings.run_dir / "rollouts")
             producer.on_sealed.append(rollout_log.on_sealed)
         supervisor.spawn("throughput", observability.run)

@@ -110,6 +110,7 @@ class SamplerSettings(TandemSettings):
     claim_ttl: float = Field(default=10.0, gt=0, description="lease on a step being built; a replica takes over after it lapses")
     drain_deadline: float = Field(default=20.0, ge=0, description="seconds a shutdown waits for batches in flight to seal")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="larger request bodies are answered 413")
+    rollout_log: bool = Field(default=True, description="append every sealed batch to run_dir/rollouts/*.parquet")
     model_name: str | None = Field(default=None, description="model id sent to inference; unset = first of /v1/models")
     eval_examples: int = Field(default=64, ge=1, description="default num_examples for POST /eval")
 
