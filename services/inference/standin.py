@@ -37,6 +37,7 @@ class StandInState:
     requests: int = 0
     fail_next: int = 0  # answer this many completion requests with 503 (fault drills)
     reload_delay: float = 0.0  # seconds each reload_weights takes (shutdown-during-sync drills)
+    resume_delay: float = 0.0  # seconds each /resume takes before it resumes
     reply: str | None = None  # when set, every completion is this text (escaping drills)
     max_model_len: int = 4096
     model_id: str = "standin"
@@ -152,6 +153,8 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
     @app.post("/resume")
     async def resume(request: Request) -> dict[str, Any]:
         s = st(request)
+        if s.resume_delay:
+            await asyncio.sleep(s.resume_delay)
         s.paused = False
         s.resumed.set()
         return {"status": "resumed"}
@@ -194,13 +197,14 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
 
     @app.post("/_standin/configure")
     async def configure(request: Request) -> dict[str, Any]:
-        """Test hooks: {"reload_delay": seconds, "reply": text or null}; omitted keys stay."""
+        """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null}; omitted keys stay."""
         s, body = st(request), await request.json()
-        if "reload_delay" in body:
-            s.reload_delay = float(body["reload_delay"])
+        for key in ("reload_delay", "resume_delay"):
+            if key in body:
+                setattr(s, key, float(body[key]))
         if "reply" in body:
             s.reply = body["reply"]
-        return {"reload_delay": s.reload_delay, "reply": s.reply}
+        return {"reload_delay": s.reload_delay, "resume_delay": s.resume_delay, "reply": s.reply}
 
     @app.get("/_standin/stats")
     async def stats(request: Request) -> dict[str, Any]:
