@@ -12,7 +12,15 @@ import pytest
 
 from services.sampler.app import create_app
 from services.sampler.config import SamplerSettings
-from tests.support.servers import UvicornThread, start_redis, start_standin
+from tests.support.servers import SAMPLER_RUN_DIRS, UvicornThread, kill_embedded_redis, start_redis, start_standin
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_redis_left_behind() -> Iterator[None]:
+    """Kill the embedded redis-servers that sampler processes started during the session."""
+    yield
+    for run_dir in SAMPLER_RUN_DIRS:
+        kill_embedded_redis(run_dir)
 
 
 @pytest.fixture(scope="session")

@@ -168,8 +168,14 @@ def sampler_argv(port: int, **settings: Any) -> list[str]:
     return argv
 
 
+# Run dirs of every sampler process started here: the embedded Redis of each runs in its
+# own session and outlives a killed sampler, so the test session kills them at its end.
+SAMPLER_RUN_DIRS: set[Path] = set()
+
+
 def start_sampler_process(run_dir: Path, *, port: int | None = None, **settings: Any) -> ServiceProcess:
     port = port or free_port()
+    SAMPLER_RUN_DIRS.add(Path(run_dir))
     proc = ServiceProcess(
         sampler_argv(port, run_dir=run_dir, **settings), name="sampler",
         log_path=run_dir / "sampler.log", ready_url=f"http://127.0.0.1:{port}/health",

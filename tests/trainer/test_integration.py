@@ -24,7 +24,7 @@ from services.trainer.entrypoint import main as trainer_main
 from services.trainer.trainer import batch_digest, train
 from shared.client import SamplerClient
 from shared.settings import build
-from tests.support.servers import REPO, UvicornThread, free_port, start_sampler_process
+from tests.support.servers import kill_embedded_redis, REPO, UvicornThread, free_port, start_sampler_process
 
 ENV = "tests.trainer.letter_env:LetterEnv"
 TOKEN = "trainer-test-token"
@@ -44,9 +44,10 @@ def stack(tmp_path: Path, tiny_model_dir: Path):
     try:
         yield sampler, inference
     finally:
-        # SIGKILL (the whole process group, embedded Redis included): every test has its own
-        # run directory, and a graceful sampler shutdown costs seconds per test.
+        # SIGKILL: every test has its own run directory, and a graceful sampler shutdown
+        # costs seconds per test. The embedded Redis runs in its own session: kill it too.
         sampler.kill()
+        kill_embedded_redis(tmp_path / "sampler")
         inference.stop()
 
 
