@@ -14,7 +14,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
@@ -23,6 +22,7 @@ from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.envs import Environment, load_environment
 from services.sampler.evals import Evals
+from services.sampler.http_client import HttpClient
 from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
@@ -55,10 +55,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
     # No command here blocks server-side, so a plain socket timeout is safe; the
     # long-lived subscription in Notifier has its own connection without one.
     redis = aioredis.from_url(redis_url, socket_timeout=15, socket_connect_timeout=5, health_check_interval=15)
-    http = httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=settings.max_concurrency + 32, max_keepalive_connections=settings.max_concurrency + 32),
-        timeout=httpx.Timeout(settings.request_timeout, connect=10.0),
-    )
+    # Room for every request in flight plus the weight-sync and discovery calls.
+    http = HttpClient(max_connections=settings.max_concurrency + 2 * len(settings.inference_urls) + 4,
+                      timeout=settings.request_timeout)
     supervisor = Supervisor()
     try:
         await redis.ping()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from services.sampler.http_client import HttpClient, Reply, TransportError
 
 log = logging.getLogger("tandem.sampler.inference")
 
@@ -88,7 +88,7 @@ class InferencePool:
         max_concurrency: int,
         request_timeout: float,
         retries: int,
-        http: httpx.AsyncClient,
+        http: HttpClient,
         on_version_change: Callable[[], None] | None = None,
     ):
         self.servers = [Server(url.rstrip("/")) for url in urls]
@@ -168,8 +168,8 @@ class InferencePool:
             server.requests += 1
             try:
                 response = await self.http.post(server.url + path, json=body, timeout=self.request_timeout)
-            except httpx.TransportError as exc:
-                error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+            except TransportError as exc:
+                error = str(exc)
             else:
                 if response.status_code < 400:
                     server.consecutive_failures = 0
@@ -196,5 +196,5 @@ class InferencePool:
                 log.warning("inference request to %s failed (%s); retry %d/%d", server.url, error, attempt + 1, self.retries)
         raise InferenceUnavailable(f"inference request failed after {attempts} attempts: " + "; ".join(failures[-3:]))
 
-    async def get(self, url: str, path: str, timeout: float = 10.0) -> httpx.Response:
+    async def get(self, url: str, path: str, timeout: float = 10.0) -> Reply:
         return await self.http.get(url + path, timeout=timeout)

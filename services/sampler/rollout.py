@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -8,12 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import redis.asyncio as aioredis
 
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.evals import Evals
+from services.sampler.http_client import HttpClient
 from services.sampler.inference_pool import InferencePool
 from services.sampler.notify import Notifier
 from services.sampler.producer import Producer
@@ -33,7 +33,7 @@ class SamplerState:
     embedded: EmbeddedRedis | None
     store: Store
     notifier: Notifier
-    http: httpx.AsyncClient
+    http: HttpClient
     pool: InferencePool
     rollouts: Rollouts
     strategy: Strategy

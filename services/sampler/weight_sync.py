@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
+from services.sampler.http_client import Reply, TransportError
 from services.sampler.inference_pool import InferencePool, Server
 from services.sampler.store import Store
 
@@ -69,11 +68,11 @@ class WeightSync:
         # Called with every SyncResult (metrics); must not raise.
         self.on_synced: list[Callable[[SyncResult], None]] = []
 
-    async def _call(self, server: Server, step: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _call(self, server: Server, step: str, method: str, path: str, **kwargs: Any) -> Reply:
         try:
             response = await self.pool.http.request(method, server.url + path, timeout=self.step_timeout, **kwargs)
-        except httpx.TransportError as exc:
-            raise SyncStepError(step, None, f"{type(exc).__name__}: {exc}") from None
+        except TransportError as exc:
+            raise SyncStepError(step, None, str(exc)) from None
         if response.status_code >= 400:
             raise SyncStepError(step, response.status_code, f"HTTP {response.status_code}: {response.text[:300]}")
         return response
@@ -190,8 +189,8 @@ class WeightSync:
                     label = None  # a server without dev-mode endpoints: trust the published version
                     break
                 server.last_error = f"/weight_info answered {response.status_code}"
-            except (httpx.TransportError, ValueError) as exc:
-                server.last_error = f"unreachable: {type(exc).__name__}: {exc}".rstrip(": ")
+            except (TransportError, ValueError) as exc:
+                server.last_error = f"unreachable: {exc}"
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
         server.last_error = None

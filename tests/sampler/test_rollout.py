@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import pytest
 
+from services.sampler.http_client import HttpClient
 from services.sampler.inference_pool import (
     InferencePool,
     InferenceRequestError,
@@ -58,7 +59,7 @@ def two_standins():
 
 async def _pool(urls, **kw) -> InferencePool:
     pool = InferencePool(urls, max_concurrency=kw.get("max_concurrency", 8), request_timeout=kw.get("timeout", 30),
-                         retries=kw.get("retries", 3), http=httpx.AsyncClient())
+                         retries=kw.get("retries", 3), http=HttpClient(max_connections=16, timeout=30))
     for url in urls:
         pool.set_version(url, 0)
     return pool

@@ -1,0 +1,86 @@
+"""The sampler's HTTP client for inference servers (aiohttp underneath).
+
+Inference traffic is the sampler's hot path: thousands of small JSON requests a second.
+Measured against the stand-in at 64 concurrent requests of n = 16, httpx spent 9-13 ms
+of client CPU per request (its pool scans and polls every idle connection on each
+request), aiohttp about 1 ms, so this thin wrapper exists. It gives the rest of the
+sampler three things: `request()` returning a `Reply` (status, body, `.json()` via
+orjson), one exception type for every transport failure (`TransportError`: refused,
+reset, dropped, timed out), and a session created inside the running event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+class TransportError(Exception):
+    """The request did not get an HTTP answer: connection refused or dropped, or a timeout."""
+
+
+@dataclass
+class Reply:
+    status_code: int
+    content: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
+class HttpClient:
+    def __init__(self, *, max_connections: int, timeout: float, connect_timeout: float = 10.0):
+        self.max_connections = max_connections
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=self.connect_timeout),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
+        return self._session
+
+    async def request(self, method: str, url: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                      timeout: float | None = None) -> Reply:
+        session = self._get_session()
+        kwargs: dict[str, Any] = {}
+        if json is not None:
+            kwargs["data"] = orjson.dumps(json)
+            kwargs["headers"] = {"content-type": "application/json"}
+        if params:
+            kwargs["params"] = {k: str(v) for k, v in params.items()}
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, self.connect_timeout))
+        try:
+            async with session.request(method, url, **kwargs) as response:
+                return Reply(response.status, await response.read())
+        except asyncio.TimeoutError as exc:
+            raise TransportError(f"TimeoutError: no answer from {url} within {timeout or self.timeout}s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise TransportError(f"ConnectError: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+
+    async def get(self, url: str, *, timeout: float | None = None) -> Reply:
+        return await self.request("GET", url, timeout=timeout)
+
+    async def post(self, url: str, *, json: Any = None, timeout: float | None = None) -> Reply:
+        return await self.request("POST", url, json=json, timeout=timeout)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
