@@ -20,8 +20,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 ALPHABET = "0123456789abcdefghij "
 EOS = 0
@@ -89,17 +90,55 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         temperature = float(body.get("temperature", 1.0))
         seed = body.get("seed")
         rng = random.Random(seed if seed is not None else time.perf_counter_ns())
-        choices = await asyncio.gather(*(
-            _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body)
-            for i in range(n)
-        ))
+        if s.token_latency == 0 and s.resumed.is_set() and s.reply is None:
+            # Instantaneous inference (throughput benchmarks): no per-token awaits at all.
+            choices = [_choice(i, prompt_ids, *_sample_now(max_tokens, temperature, random.Random(rng.random())),
+                               [], s.version, body) for i in range(n)]
+        else:
+            choices = await asyncio.gather(*(
+                _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body)
+                for i in range(n)
+            ))
         generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
-        return {
+        return Response(orjson.dumps({
             "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
             "model": s.model_id, "choices": list(choices),
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
                       "total_tokens": len(prompt_ids) + generated},
+        }), media_type="application/json")
+
+    def _sample_now(max_tokens: int, temperature: float, rng: random.Random) -> tuple[list[int], str]:
+        """The token loop of `_generate` without pauses or latency: same distribution."""
+        token_ids: list[int] = []
+        for _ in range(max_tokens):
+            if temperature > 0 and rng.random() < 0.1:
+                return token_ids, "stop"
+            token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
+        return token_ids, "length"
+
+    def _choice(index: int, prompt_ids: list[int], token_ids: list[int], finish: str, labels: list[str],
+                version: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One choice in vLLM's shape; `labels` per token, or all `version` when empty."""
+        labels = labels or [version] * len(token_ids)
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": bytes(token_ids).decode(errors="replace"),
+            "finish_reason": finish,
+            "logprobs": {"token_logprobs": [-math.log(len(ALPHABET))] * len(token_ids),
+                         "tokens": [chr(t) for t in token_ids], "top_logprobs": None, "text_offset": []},
         }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = token_ids
+            choice["prompt_token_ids"] = prompt_ids
+        if body.get("return_weight_versions"):
+            spans: list[dict[str, Any]] = []
+            for i, label in enumerate(labels):
+                if spans and spans[-1]["version"] == label:
+                    spans[-1]["end"] = i + 1
+                else:
+                    spans.append({"version": label, "start": i, "end": i + 1})
+            choice["weight_versions"] = spans
+        return choice
 
     async def _generate(s: StandInState, index: int, prompt_ids: list[int], max_tokens: int,
                         temperature: float, rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
@@ -123,25 +162,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
                 break
             token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
             labels.append(s.version)
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": bytes(token_ids).decode(errors="replace"),
-            "finish_reason": finish,
-            "logprobs": {"token_logprobs": [-math.log(len(ALPHABET))] * len(token_ids),
-                         "tokens": [chr(t) for t in token_ids], "top_logprobs": None, "text_offset": []},
-        }
-        if body.get("return_token_ids"):
-            choice["token_ids"] = token_ids
-            choice["prompt_token_ids"] = prompt_ids
-        if body.get("return_weight_versions"):
-            spans: list[dict[str, Any]] = []
-            for i, label in enumerate(labels):
-                if spans and spans[-1]["version"] == label:
-                    spans[-1]["end"] = i + 1
-                else:
-                    spans.append({"version": label, "start": i, "end": i + 1})
-            choice["weight_versions"] = spans
-        return choice
+        return _choice(index, prompt_ids, token_ids, finish, labels, s.version, body)
 
     @app.post("/pause")
     async def pause(request: Request, mode: str = "keep") -> dict[str, Any]:
