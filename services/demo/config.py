@@ -28,7 +28,7 @@ class DemoSettings(TandemSettings):
     inference_port: int = Field(default=0, ge=0, le=65535, description="the CPU inference server's port; 0 = a free port")
 
     # What to train.
-    steps: int = Field(default=70, ge=1, description="optimizer steps")
+    steps: int = Field(default=150, ge=1, description="optimizer steps")
     max_staleness: int = Field(default=1, ge=0, description="k: batch N may use weights of version >= N - k")
     on_policy: bool = Field(default=False, description="synchronous on-policy training (k = 0)")
     seed: int = Field(default=0, description="model initialisation, sampling and trainer seed")
@@ -37,15 +37,18 @@ class DemoSettings(TandemSettings):
     preset: str = Field(default="tiny", description="init-model preset for the fresh model")
 
     # Batch shape: prompts_per_step * num_generations samples per step, trained in one
-    # micro-batch per `micro_batch_size` samples.
+    # micro-batch per `micro_batch_size` samples. 16 generations, not 8: a GRPO group whose
+    # samples all give the same answer has no signal, and with 8 the policy sometimes
+    # collapses to one letter for every prompt and stays there (reward 0.5, seen for 200
+    # steps); with 16 an odd prompt's group still contains the rare right letter.
     prompts_per_step: int = Field(default=8, ge=1)
-    num_generations: int = Field(default=8, ge=1)
+    num_generations: int = Field(default=16, ge=1)
     micro_batch_size: int | None = Field(
         default=None, ge=1, description="trainer per_device_batch_size; unset = the whole batch in one micro-batch"
     )
     temperature: float = Field(default=1.0, gt=0)
     max_tokens: int = Field(default=4, ge=1)
-    learning_rate: float = Field(default=2e-3, gt=0)
+    learning_rate: float = Field(default=1e-3, gt=0)
     loss: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
     eval_every: int = Field(default=10, ge=0, description="greedy eval every N steps (0: only before and after)")
     eval_examples: int = Field(default=64, ge=1)
