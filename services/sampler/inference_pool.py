@@ -98,6 +98,8 @@ class InferencePool:
         self.http = http
         self.stats = PoolStats()
         self.in_flight = 0
+        # Set at shutdown: a request finds no usable server -> fail at once, do not wait.
+        self.closing = False
         self._version_changed = asyncio.Event()
         # Called whenever a server's version changes, so waiters elsewhere re-check.
         self.on_version_change = on_version_change
@@ -133,7 +135,7 @@ class InferencePool:
             if server is not None:
                 return server
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or self.closing:
                 detail = ", ".join(
                     f"{s.url} (version {s.version}, {'syncing' if s.syncing else s.last_error or 'ok'})"
                     for s in self.servers

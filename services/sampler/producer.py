@@ -51,6 +51,10 @@ class Progress:
     error: str | None = None
 
 
+def _task_step(task: asyncio.Task) -> int:
+    return int(task.get_name().removeprefix("batch-"))
+
+
 class Producer:
     def __init__(self, *, store: Store, notifier: Notifier, pool: InferencePool, source: FreshGroups,
                  strategy: Strategy, redis: aioredis.Redis, keys: Keys, env_name: str,
@@ -73,7 +77,9 @@ class Producer:
         self.owner = uuid.uuid4().hex[:12]
         self.claim_ttl_ms = int(claim_ttl * 1000)
         self.foreign: set[int] = set()  # unsealed steps another replica is building
-        self.waiting: tuple[int, float] | None = None  # (required version, since) while no server is new enough
+        # (required version, since) while no server is new enough.
+        self.waiting: tuple[int, float] | None = None
+        self.draining = False
         # Called with each newly sealed batch payload (metrics, rollout logs); errors are logged.
         self.on_sealed: list[Callable[[dict[str, Any]], Awaitable[None] | None]] = []
 
@@ -168,7 +174,15 @@ class Producer:
         """Give builds in flight `deadline` seconds to seal, then cancel the rest."""
         if not self._tasks:
             return
-        log.info("draining %d batch build(s) for up to %.0fs", len(self._tasks), deadline)
+        # A build that is failing (inference down) would only burn the deadline: stop it now,
+        # and let any build that fails from here on give up instead of retrying.
+        self.draining = True
+        self.pool.closing = True
+        failing = [t for t in self._tasks if (p := self.in_progress.get(_task_step(t))) is not None and p.error]
+        for task in failing:
+            task.cancel()
+        log.info("draining %d batch build(s) for up to %.0fs (%d failing ones cancelled)",
+                 len(self._tasks) - len(failing), deadline, len(failing))
         _, pending = await asyncio.wait(list(self._tasks), timeout=deadline)
         for task in pending:
             task.cancel()
@@ -226,6 +240,9 @@ class Producer:
                     raise
                 except Exception as exc:  # noqa: BLE001 - keep producing; the error is surfaced in /status
                     progress.error = self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+                    if self.draining:
+                        log.warning("batch %d failed while shutting down; not retrying: %s", step, exc)
+                        return
                     log.error("building batch %d failed (attempt %d): %s; retrying in %.1fs",
                               step, progress.attempts, exc, delay)
                     await asyncio.sleep(delay)

@@ -174,3 +174,22 @@ def test_sigterm_ends_long_polls_at_once_and_drains(run_dir, standin, timeout):
     finally:
         sampler.terminate()
         kill_embedded_redis(run_dir)
+
+
+def test_shutdown_cancels_failing_builds_at_once(run_dir, standin):
+    from tests.support.servers import start_sampler_process
+
+    httpx.post(standin.url + "/_standin/fail", params={"count": 10**9})
+    sampler = start_sampler_process(run_dir, inference_urls=[standin.url], env="tests.support.envs:CountEnv",
+                                    request_retries=0, drain_deadline=20)
+    try:
+        deadline = time.monotonic() + 20
+        while not httpx.get(sampler.url + "/status").json()["steps"]["last_error"]:
+            assert time.monotonic() < deadline, "the build never failed"
+            time.sleep(0.1)
+        started = time.monotonic()
+        sampler.popen.send_signal(15)
+        sampler.popen.wait(30)
+        assert time.monotonic() - started < 8, "shutdown waited for a build that could not finish"
+    finally:
+        sampler.terminate()
