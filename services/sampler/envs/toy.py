@@ -6,7 +6,7 @@ character of the completion is the answer letter and 0 otherwise. Nothing after 
 character counts, so the policy is not asked to emit EOS, which a random model rarely does.
 
 Why a randomly initialised character-level model learns it from scratch in a few minutes
-of CPU GRPO (about 50-150 steps of 8 prompts x 8 generations, max_tokens 4, temperature 1,
+of CPU GRPO (about 50-150 steps of 8 prompts x 16 generations, max_tokens 4, temperature 1,
 learning rate around 1e-3):
 
 * The answer depends only on the last prompt character, the token the model is predicting
