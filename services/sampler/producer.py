@@ -121,9 +121,10 @@ class Producer:
                 await self._wait_until_servable(required)
                 if step < await self._floor():
                     continue
-                if await self.store.claim(step, self.owner, self.claim_ttl_ms):
+                claimed = await self.store.claim(step, self.owner, self.claim_ttl_ms)
+                if claimed == 1:
                     self._start(step, required)
-                else:
+                elif claimed == 0:
                     self.foreign.add(step)
                 step += 1
                 self.next_step = step
@@ -149,9 +150,10 @@ class Producer:
         while True:
             changed = self.notifier.changed()
             for step in sorted(self.foreign):
-                if await self.store.is_sealed(step):
+                claimed = await self.store.claim(step, self.owner, self.claim_ttl_ms)
+                if claimed == -1:
                     self.foreign.discard(step)
-                elif await self.store.claim(step, self.owner, self.claim_ttl_ms):
+                elif claimed == 1:
                     self.foreign.discard(step)
                     log.warning("taking over step %d: its replica's claim lapsed without a seal", step)
                     self._start(step, self.strategy.required_version(step))

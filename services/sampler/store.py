@@ -57,6 +57,15 @@ return #steps
 """
 
 
+# KEYS: claim, sealed. ARGV: step, owner, ttl_ms. 1 = claimed, 0 = another replica holds
+# it, -1 = already sealed (checked in the same atomic step, so a claim released right
+# after its seal can never be taken for a second generation of that step).
+_CLAIM = """
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return -1 end
+if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then return 1 end
+return 0
+"""
+
 # KEYS: claim. ARGV: owner, ttl_ms. Extends the lease only if we still hold it.
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -82,6 +91,7 @@ class Store:
         self._seal = client.register_script(_SEAL)
         self._publish = client.register_script(_PUBLISH)
         self._trim = client.register_script(_TRIM)
+        self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
 
@@ -105,8 +115,9 @@ class Store:
 
     # --- claims: which replica generates which step --------------------------------
 
-    async def claim(self, step: int, owner: str, ttl_ms: int) -> bool:
-        return bool(await self.r.set(self.keys.claim(step), owner, nx=True, px=ttl_ms))
+    async def claim(self, step: int, owner: str, ttl_ms: int) -> int:
+        """1 claimed, 0 held by another replica, -1 already sealed."""
+        return int(await self._claim(keys=[self.keys.claim(step), self.keys.sealed], args=[step, owner, ttl_ms]))
 
     async def renew_claim(self, step: int, owner: str, ttl_ms: int) -> bool:
         return bool(await self._renew(keys=[self.keys.claim(step)], args=[owner, ttl_ms]))
