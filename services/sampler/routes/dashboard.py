@@ -33,7 +33,7 @@ async def index() -> FileResponse:
 @router.get("/dashboard/data")
 async def dashboard_data(
     state: State,
-    batches: Annotated[int, Query(ge=1, le=2000, description="recent batches to include")] = 200,
+    batches: Annotated[int, Query(ge=1, le=256, description="recent batches to include (the store keeps 256)")] = 200,
     rollouts: Annotated[int, Query(ge=0, le=200, description="recent rollouts to include")] = 100,
 ) -> dict[str, Any]:
     obs = state.extra["observability"]
