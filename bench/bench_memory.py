@@ -8,7 +8,7 @@ Every `every` steps: INFO memory used_memory, and where it goes: the sealed batc
 kept (count and MEMORY USAGE), the capped stats stream and the capped publication history
 (entries and MEMORY USAGE). Batches are trimmed `keep_batches` behind the published version,
 so their memory is flat from the first steps on; the two capped structures grow until their
-cap (2,000 entries) and stay there, so their bound is also reported.
+cap (the Store's `stats_cap`, 256 entries) and stay there, so their bound is also reported.
 
 Writes bench/results/memory.json and memory.md; `python -m bench memory`.
 """
@@ -47,9 +47,14 @@ async def _sizes(r: aioredis.Redis, prefix: str) -> dict[str, Any]:
 
 
 def run(results_dir: Path, *, steps: int = 1000, every: int = 100, keep_batches: int = 8, prompts_per_step: int = 4,
-        num_generations: int = 8, max_tokens: int = 16, stream_cap: int = 2000) -> dict:
-    from services.sampler.keys import Keys
+        num_generations: int = 8, max_tokens: int = 16, stream_cap: int | None = None) -> dict:
+    import inspect
 
+    from services.sampler.keys import Keys
+    from services.sampler.store import Store
+
+    if stream_cap is None:  # the cap the sampler really uses
+        stream_cap = inspect.signature(Store).parameters["stats_cap"].default
     namespace = "m" + uuid.uuid4().hex[:10]
     prefix = Keys(namespace).prefix
     shape = {"prompts_per_step": prompts_per_step, "num_generations": num_generations, "max_tokens": max_tokens}
