@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -19,27 +18,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            # The state letter follows the parenthesised command name.
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+from services.procs import free_port, pid_alive  # noqa: F401 - re-exported for the demo
 
 
 def pid_command(pid: int) -> str:

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -21,13 +20,9 @@ from pathlib import Path
 
 import redis
 
+from services.procs import free_port, pid_alive
+
 log = logging.getLogger("tandem.sampler.redis")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def redis_binary() -> str:
@@ -57,26 +52,11 @@ class EmbeddedRedis:
         # command would do the same, but redis-py retries the dropped connection for seconds.
         _signal(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(self.pid) and time.monotonic() < deadline:
+        while pid_alive(self.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(self.pid):
+        if pid_alive(self.pid):
             _signal(self.pid, signal.SIGKILL)
         self.info_file.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still "exists"; reap it if it is ours.
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -101,7 +81,7 @@ def start_embedded(data_dir: Path, startup_timeout: float = 20.0, port: int | No
     if info_file.exists():
         try:
             info = json.loads(info_file.read_text())
-            if _alive(info["pid"]) and _ping(info["port"]):
+            if pid_alive(info["pid"]) and _ping(info["port"]):
                 log.info("reusing embedded redis pid %s on port %s", info["pid"], info["port"])
                 return EmbeddedRedis(data_dir, info["port"], info["pid"], started_here=False)
         except (ValueError, KeyError, OSError):
@@ -149,7 +129,7 @@ async def watch_embedded(server: EmbeddedRedis, interval: float = 1.0) -> None:
 
     while True:
         await asyncio.sleep(interval)
-        if _alive(server.pid) or _ping(server.port):
+        if pid_alive(server.pid) or _ping(server.port):
             continue
         log.error("embedded redis-server (pid %s) is gone; restarting it on port %s", server.pid, server.port)
         restarted = await asyncio.to_thread(start_embedded, server.data_dir, port=server.port)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,13 +23,9 @@ from typing import Any
 import httpx
 import uvicorn
 
+from services.procs import free_port  # noqa: F401 - tests import it from here
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, what: str, proc: ServiceProcess | None = None) -> None:
