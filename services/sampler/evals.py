@@ -20,7 +20,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
-from services.sampler.notify import Notifier
+from services.sampler.notify import Notifier, wait_event
 from services.sampler.rollout import Rollouts
 
 log = logging.getLogger("tandem.sampler.evals")
@@ -87,9 +87,7 @@ class Evals:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return record
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
+            if not await wait_event(changed, remaining):
                 return await self.get(eval_id)
 
     async def _run(self, record: dict[str, Any]) -> None:

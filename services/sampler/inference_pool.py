@@ -17,10 +17,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from services.sampler.http_client import HttpClient, Reply, TransportError
+from services.sampler.notify import wait_event
 
 log = logging.getLogger("tandem.sampler.inference")
 
@@ -73,11 +74,8 @@ class Server:
 
 @dataclass
 class PoolStats:
-    completions: int = 0
-    completion_tokens: int = 0
     retries: int = 0
     errors: int = 0
-    started: float = field(default_factory=time.monotonic)
 
 
 class InferencePool:
@@ -146,10 +144,7 @@ class InferencePool:
             cooling = [s.cooldown_until - now for s in self.servers if s.cooldown_until > now]
             wait = min(cooling + [deadline - now, 1.0])
             changed = self._version_changed
-            try:
-                await asyncio.wait_for(changed.wait(), max(wait, 0.01))
-            except TimeoutError:
-                pass
+            await wait_event(changed, max(wait, 0.01))
 
     async def post(self, path: str, body: dict[str, Any], *, min_version: int = 0) -> tuple[dict[str, Any], Server]:
         """POST to the best server; returns the JSON answer and the server that gave it."""

@@ -21,6 +21,15 @@ from redis.exceptions import RedisError
 log = logging.getLogger("tandem.sampler.notify")
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait until `event` is set, at most `timeout` seconds; False when the time ran out."""
+    try:
+        await asyncio.wait_for(event.wait(), max(timeout, 0.0))
+        return True
+    except TimeoutError:
+        return False
+
+
 class Notifier:
     def __init__(self, redis_url: str, channel: str):
         self.redis_url = redis_url
@@ -36,15 +45,6 @@ class Notifier:
         """Wake every waiter (they re-check the state themselves)."""
         event, self._event = self._event, asyncio.Event()
         event.set()
-
-    async def wait(self, timeout: float) -> bool:
-        """Wait for the next change; False on timeout."""
-        event = self._event
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
 
     async def run(self) -> None:
         """Listen forever, reconnecting with backoff; wakes everyone after a reconnect."""

@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from shared import codec
 from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
-from services.sampler.notify import Notifier
+from services.sampler.notify import Notifier, wait_event
 from services.sampler.rollout import batch_stats
 from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
@@ -157,11 +157,8 @@ class Producer:
                     self.foreign.discard(step)
                     log.warning("taking over step %d: its replica's claim lapsed without a seal", step)
                     self._start(step, self.strategy.required_version(step))
-            try:
-                # A lapse makes no announcement, so look again after a lease period at most.
-                await asyncio.wait_for(changed.wait(), self.claim_ttl_ms / 2000)
-            except TimeoutError:
-                pass
+            # A lapse makes no announcement, so look again after a lease period at most.
+            await wait_event(changed, self.claim_ttl_ms / 2000)
 
     async def _keep_claim(self, step: int) -> None:
         while True:

@@ -196,6 +196,3 @@ class Store:
     async def recent_batch_stats(self, count: int = 200) -> list[dict[str, Any]]:
         entries = await self.r.xrevrange(self.keys.batch_stats, count=count)
         return [json.loads(fields[b"json"]) for _, fields in reversed(entries)]
-
-    async def announce(self, message: str) -> None:
-        await self.r.publish(self.keys.events, message)

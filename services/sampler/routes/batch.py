@@ -7,13 +7,13 @@ first, 409 when the published version is too old for the batch ever to be genera
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from services.sampler.deps import State
+from services.sampler.notify import wait_event
 from shared import codec
 
 router = APIRouter(tags=["batch"])
@@ -91,10 +91,7 @@ async def get_batch(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return Response(status_code=status.HTTP_204_NO_CONTENT)
-        try:
-            await asyncio.wait_for(changed.wait(), remaining)
-        except TimeoutError:
-            pass
+        await wait_event(changed, remaining)
 
 
 def _batch_response(payload: bytes, rank: int, world_size: int, accept: str | None) -> Response:
