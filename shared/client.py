@@ -66,8 +66,16 @@ def _detail(response: httpx.Response) -> Any:
     return body.get("detail", body) if isinstance(body, dict) else body
 
 
+# How batches travel: "arrays" (msgpack with typed token arrays, decoded to numpy arrays
+# without a per-number cost; the default), "msgpack" or "json" (every number a Python number).
+_ENCODINGS = {"arrays": codec.ARRAYS, "msgpack": codec.MSGPACK, "json": codec.JSON}
+
+
 class SamplerClient:
-    """`async with SamplerClient("http://127.0.0.1:8100") as client: batch = await client.get_batch(0)`"""
+    """`async with SamplerClient("http://127.0.0.1:8100") as client: batch = await client.get_batch(0)`
+
+    With the default `encoding="arrays"` a sample's token ids, logprobs and loss mask are
+    read-only numpy arrays; `encoding="json"` or `"msgpack"` gives lists."""
 
     def __init__(
         self,
@@ -76,13 +84,15 @@ class SamplerClient:
         api_token: str | None = None,
         poll_timeout: float = 30.0,
         retry_for: float = 120.0,
-        msgpack: bool = True,
+        encoding: str = "arrays",
         transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.poll_timeout = poll_timeout
         self.retry_for = retry_for
-        self.msgpack = msgpack
+        if encoding not in _ENCODINGS:
+            raise ValueError(f"encoding must be one of {sorted(_ENCODINGS)}, not {encoding!r}")
+        self.accept = _ENCODINGS[encoding]
         headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
         # The read timeout must outlast the server-side long-poll, or every poll would fail.
         timeout = httpx.Timeout(10.0, read=poll_timeout + 30.0)
@@ -133,7 +143,7 @@ class SamplerClient:
     ) -> dict[str, Any]:
         """Like `get_batch`, but returns the decoded body without model validation (faster)."""
         what = f"GET /batch step={step} rank={rank}/{world_size}"
-        headers = {"Accept": codec.MSGPACK if self.msgpack else codec.JSON}
+        headers = {"Accept": self.accept}
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
             poll = self.poll_timeout

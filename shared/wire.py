@@ -6,12 +6,37 @@ sampler can add metadata without breaking an older trainer.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator
 
 FinishReason = Literal["stop", "length", "abort"]
 EvalStatus = Literal["pending", "running", "done", "failed"]
+
+
+def _array_or_list(kinds: str, what: str) -> WrapValidator:
+    """Accept a 1-d numpy array of the right kind as it is (the arrays wire form decodes to
+    those, and converting them back to lists would cost what that form saves)."""
+
+    def validate(value: Any, handler: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            if value.ndim != 1 or value.dtype.kind not in kinds:
+                raise ValueError(f"expected a list of {what} or a 1-d array of them, "
+                                 f"got an array of {value.dtype} with shape {value.shape}")
+            return value
+        return handler(value)
+
+    return WrapValidator(validate)
+
+
+def _to_list(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+_AsList = PlainSerializer(_to_list, when_used="json")
+IntArray = Annotated[list[int], _array_or_list("iub", "integers"), _AsList]
+FloatArray = Annotated[list[float], _array_or_list("fiu", "numbers"), _AsList]
 
 
 class _Open(BaseModel):
@@ -23,12 +48,12 @@ class Sample(_Open):
 
     prompt_id: str
     group_id: str
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    completion_logprobs: list[float] = Field(
+    prompt_token_ids: IntArray
+    completion_token_ids: IntArray
+    completion_logprobs: FloatArray = Field(
         description="behaviour-policy logprob of each completion token"
     )
-    loss_mask: list[int] = Field(description="1 where the token is trained on, one per completion token")
+    loss_mask: IntArray = Field(description="1 where the token is trained on, one per completion token")
     reward: float
     rewards: dict[str, float] = Field(default_factory=dict)
     advantage: float

@@ -233,7 +233,7 @@ class Producer:
                     samples, extra = await self._samples(step, required, ticket)
                     stats = {**batch_stats(step, samples, progress.started_at, time.time()), **extra}
                     payload = {"step": step, "samples": samples, "stats": stats}
-                    outcome = await self.store.seal(step, codec.pack(payload))
+                    outcome = await self.store.seal(step, codec.pack_arrays(payload))
                     break
                 except asyncio.CancelledError:
                     raise

@@ -12,9 +12,10 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections import OrderedDict
 import time
+from collections import OrderedDict
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -89,6 +90,8 @@ class Store:
     def __init__(self, client: aioredis.Redis, keys: Keys, stats_cap: int = 256, recent_cap: int = 4):
         self.r = client
         self._recent: OrderedDict[int, bytes] = OrderedDict()
+        # Seals this process has in flight: step -> future of "these bytes became the batch".
+        self._sealing: dict[int, asyncio.Future[bool]] = {}
         self.recent_cap = recent_cap
         self.keys = keys
         self.stats_cap = stats_cap
@@ -103,18 +106,33 @@ class Store:
 
     async def seal(self, step: int, payload: bytes) -> int:
         k = self.keys
-        outcome = int(await self._seal(keys=[k.batch(step), k.sealed, k.meta], args=[step, payload, k.events]))
-        if outcome == 1:
-            # Only bytes that really became the sealed batch may be served from memory.
-            self._recent[step] = payload
-            while len(self._recent) > self.recent_cap:
-                self._recent.popitem(last=False)
+        sealed = asyncio.get_running_loop().create_future()
+        self._sealing[step] = sealed
+        outcome = 0
+        try:
+            outcome = int(await self._seal(keys=[k.batch(step), k.sealed, k.meta], args=[step, payload, k.events]))
+            if outcome == 1:
+                # Only bytes that really became the sealed batch may be served from memory.
+                self._recent[step] = payload
+                while len(self._recent) > self.recent_cap:
+                    self._recent.popitem(last=False)
+        finally:
+            if self._sealing.get(step) is sealed:
+                del self._sealing[step]
+            sealed.set_result(outcome == 1)
         return outcome
 
     async def get_batch(self, step: int) -> bytes | None:
         """The sealed bytes of `step`. Batches this process sealed recently come from memory
         (they are immutable), which spares the trainer's hand-off a large Redis read; a
-        small read of the trim mark keeps a trimmed batch from being served."""
+        small read of the trim mark keeps a trimmed batch from being served.
+
+        The seal's announcement can wake a reader before this process has the reply to its
+        own seal; such a reader waits for that reply (it follows within a round trip)
+        rather than reading the whole batch back from Redis."""
+        sealing = self._sealing.get(step)
+        if sealing is not None:
+            await asyncio.shield(sealing)
         cached = self._recent.get(step)
         if cached is not None:
             trimmed = await self.r.hget(self.keys.meta, "trimmed_below")

@@ -65,7 +65,7 @@ def validate_sample(sample: Sample, index: int) -> None:
             f"sample {index} (prompt_id {sample.prompt_id!r}) has {n} completion tokens but "
             f"{len(sample.completion_logprobs)} completion_logprobs and {len(sample.loss_mask)} loss_mask entries"
         )
-    if not sample.prompt_token_ids:
+    if len(sample.prompt_token_ids) == 0:
         # The first completion token needs a preceding position to be predicted from.
         raise BatchFormatError(f"sample {index} (prompt_id {sample.prompt_id!r}) has an empty prompt")
 
@@ -88,13 +88,14 @@ def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None, pad
     loss_mask = torch.zeros((B, T), dtype=torch.float32)
     behaviour = torch.zeros((B, T), dtype=torch.float32)
     for row, s in enumerate(samples):
-        ids = list(s.prompt_token_ids) + list(s.completion_token_ids)
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, : len(ids)] = 1
+        # Lists or numpy arrays (the arrays wire form); torch.tensor copies either.
+        P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
+        input_ids[row, :P] = torch.tensor(s.prompt_token_ids, dtype=torch.long)
+        attention_mask[row, : P + C] = 1
         # Completion token k sits at position P + k and is predicted at P + k - 1,
         # i.e. window column P + k - 1 - start.
-        P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
         if C:
+            input_ids[row, P : P + C] = torch.tensor(s.completion_token_ids, dtype=torch.long)
             col = P - 1 - start
             targets[row, col : col + C] = torch.tensor(s.completion_token_ids, dtype=torch.long)
             loss_mask[row, col : col + C] = torch.tensor(s.loss_mask, dtype=torch.float32)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from services.trainer.config import TrainerSettings
+from shared import codec
 from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, VersionConflict
 from shared.settings import SettingsError
 from shared.wire import Batch
@@ -203,8 +204,8 @@ def batch_digest(batch: Batch) -> str:
     """A short fingerprint of this rank's share: equal digests = the same training data."""
     h = hashlib.sha256()
     for smp in batch.samples:
-        h.update(json.dumps([smp.prompt_id, smp.prompt_token_ids, smp.completion_token_ids,
-                             smp.advantage]).encode())
+        h.update(json.dumps([smp.prompt_id, codec.plain(smp.prompt_token_ids),
+                             codec.plain(smp.completion_token_ids), smp.advantage]).encode())
     return h.hexdigest()[:16]
 
 

@@ -7,7 +7,10 @@ import time
 
 import httpx
 import msgpack
+import numpy as np
 import pytest
+
+from shared import codec
 
 
 async def test_batch_200_is_identical_on_every_read(make_sampler):
@@ -36,6 +39,25 @@ async def test_msgpack_carries_the_same_structure_as_json(make_sampler):
         packed = await http.get("/batch", params={"step": 0}, headers={"Accept": "application/msgpack"})
         assert packed.headers["content-type"].startswith("application/msgpack")
         assert msgpack.unpackb(packed.content, raw=False) == as_json
+
+
+async def test_arrays_form_carries_the_same_values_for_the_whole_batch_and_rank_shares(make_sampler):
+    sampler = make_sampler(prompts_per_step=4, num_generations=4)
+    arrays = {"Accept": codec.ARRAYS}
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        as_json = (await http.get("/batch", params={"step": 0, "timeout": 20})).json()
+        whole = await http.get("/batch", params={"step": 0}, headers=arrays)
+        assert whole.headers["content-type"] == codec.ARRAYS
+        decoded = codec.unpack(whole.content)
+        assert isinstance(decoded["samples"][0]["completion_token_ids"], np.ndarray)
+        assert codec.plain(decoded) == as_json
+        again = await http.get("/batch", params={"step": 0}, headers=arrays)
+        assert again.content == whole.content
+        for rank in range(2):
+            params = {"step": 0, "rank": rank, "world_size": 2}
+            share = await http.get("/batch", params=params, headers=arrays)
+            assert share.headers["content-type"] == codec.ARRAYS
+            assert codec.plain(codec.unpack(share.content)) == (await http.get("/batch", params=params)).json()
 
 
 async def test_204_when_timeout_passes_and_timeout_is_bounded(make_sampler):

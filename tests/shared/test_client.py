@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 
 from services.sampler.app import create_app
@@ -38,9 +39,24 @@ async def test_get_batch_polls_through_204s(make_sampler, standin):
         assert raw["samples"][0]["prompt_id"] == batch.samples[0].prompt_id
 
 
-async def test_json_and_msgpack_clients_agree(sampler):
-    async with SamplerClient(sampler.url, msgpack=True) as a, SamplerClient(sampler.url, msgpack=False) as b:
-        assert (await a.get_batch(0)) == (await b.get_batch(0))
+async def test_every_encoding_gives_the_same_batch(sampler):
+    clients = [SamplerClient(sampler.url, encoding=e) for e in ("arrays", "msgpack", "json")]
+    try:
+        arrays, msgpack, json = [await c.get_batch(0) for c in clients]
+    finally:
+        for c in clients:
+            await c.aclose()
+    # The arrays form hands numpy arrays to the trainer; the others hand lists.
+    assert isinstance(arrays.samples[0].completion_token_ids, np.ndarray)
+    assert isinstance(json.samples[0].completion_token_ids, list)
+    assert arrays.model_dump(mode="json") == msgpack.model_dump(mode="json") == json.model_dump(mode="json")
+    assert all(len(s.completion_logprobs) == len(s.completion_token_ids) for s in arrays.samples)
+    assert sum(len(s.completion_token_ids) for s in arrays.samples) > 0
+
+
+def test_unknown_encoding_is_refused():
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        SamplerClient("http://127.0.0.1:1", encoding="xml")
 
 
 async def test_409_410_and_version_conflict_are_exceptions(sampler):

@@ -38,7 +38,8 @@ def rank_share(samples: list[dict[str, Any]], rank: int, world_size: int) -> lis
 @router.get(
     "/batch",
     responses={
-        200: {"description": "the sealed batch (JSON, or msgpack with Accept: application/msgpack)"},
+        200: {"description": "the sealed batch: JSON; msgpack with `Accept: application/msgpack`; msgpack "
+                   "with typed arrays with `Accept: application/vnd.tandem+msgpack` (see shared/codec.py)"},
         204: {"description": "not sealed within `timeout` seconds: ask again"},
         409: {"description": "the published weights version is too old for this batch"},
         410: {"description": "the batch was trimmed"},
@@ -95,13 +96,12 @@ async def get_batch(
 
 
 def _batch_response(payload: bytes, rank: int, world_size: int, accept: str | None) -> Response:
-    as_msgpack = codec.wants_msgpack(accept)
-    if world_size == 1 and as_msgpack:
-        return Response(payload, media_type=codec.MSGPACK)
+    # Batches are stored in the arrays form (codec.ARRAYS); the other forms are transcoded.
+    media_type = codec.negotiate(accept)
+    if world_size == 1 and media_type == codec.ARRAYS:
+        return Response(payload, media_type=media_type)
     batch = codec.unpack(payload)
     if world_size > 1:
         batch["samples"] = rank_share(batch["samples"], rank, world_size)
         batch["rank"], batch["world_size"] = rank, world_size
-    if as_msgpack:
-        return Response(codec.pack(batch), media_type=codec.MSGPACK)
-    return Response(codec.dumps_json(batch), media_type=codec.JSON)
+    return Response(codec.encode(batch, media_type), media_type=media_type)
