@@ -13,9 +13,8 @@ import logging
 import time
 from typing import Any
 
-import httpx
-
 from shared import codec
+from shared.http_client import HttpClient, Reply, TransportError
 from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
 
 log = logging.getLogger("tandem.client")
@@ -58,7 +57,7 @@ class SamplerUnavailable(SamplerError):
     """The sampler could not be reached (or kept failing) for longer than `retry_for` seconds."""
 
 
-def _detail(response: httpx.Response) -> Any:
+def _detail(response: Reply) -> Any:
     try:
         body = response.json()
     except ValueError:
@@ -85,7 +84,6 @@ class SamplerClient:
         poll_timeout: float = 30.0,
         retry_for: float = 120.0,
         encoding: str = "arrays",
-        transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.poll_timeout = poll_timeout
@@ -94,11 +92,8 @@ class SamplerClient:
             raise ValueError(f"encoding must be one of {sorted(_ENCODINGS)}, not {encoding!r}")
         self.accept = _ENCODINGS[encoding]
         headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
-        # The read timeout must outlast the server-side long-poll, or every poll would fail.
-        timeout = httpx.Timeout(10.0, read=poll_timeout + 30.0)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
-        )
+        # The timeout must outlast the server-side long-poll, or every poll would fail.
+        self._http = HttpClient(max_connections=16, timeout=poll_timeout + 30.0, headers=headers)
 
     async def __aenter__(self) -> SamplerClient:
         return self
@@ -109,15 +104,15 @@ class SamplerClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, what: str, **kwargs: Any) -> Reply:
         """Send one request, retrying transport errors and 5xx until `retry_for` runs out."""
         deadline = time.monotonic() + self.retry_for
         delay = 0.1
         while True:
             try:
-                response = await self._http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                failure = f"{type(exc).__name__}: {exc}"
+                response = await self._http.request(method, self.base_url + path, **kwargs)
+            except TransportError as exc:
+                failure = str(exc)
             else:
                 if response.status_code < 500:
                     return response
@@ -142,6 +137,13 @@ class SamplerClient:
         self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Like `get_batch`, but returns the decoded body without model validation (faster)."""
+        content_type, body = await self.get_batch_body(step, rank, world_size, timeout=timeout)
+        return codec.decode(content_type, body)
+
+    async def get_batch_body(
+        self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
+    ) -> tuple[str | None, bytes]:
+        """The batch's body as received, with its content type: `get_batch_raw` before decoding."""
         what = f"GET /batch step={step} rank={rank}/{world_size}"
         headers = {"Accept": self.accept}
         give_up = None if timeout is None else time.monotonic() + timeout
@@ -153,7 +155,7 @@ class SamplerClient:
             response = await self._request("GET", "/batch", what, params=params, headers=headers)
             status = response.status_code
             if status == 200:
-                return codec.decode(response.headers.get("content-type"), response.content)
+                return response.content_type, response.content
             if status == 204:
                 if give_up is not None and time.monotonic() >= give_up:
                     raise TimeoutError(f"{what}: batch not sealed within {timeout}s")
@@ -207,7 +209,7 @@ class SamplerClient:
         return response.json()
 
     @staticmethod
-    def _raise(response: httpx.Response, what: str) -> None:
+    def _raise(response: Reply, what: str) -> None:
         status, detail = response.status_code, _detail(response)
         kind = {409: BatchNotReady, 410: BatchTrimmed, 401: Unauthorized}.get(status, SamplerRequestError)
         raise kind(status, detail, what)

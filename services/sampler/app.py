@@ -22,7 +22,7 @@ from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.envs import Environment, load_environment
 from services.sampler.evals import Evals
-from services.sampler.http_client import HttpClient
+from shared.http_client import HttpClient
 from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier

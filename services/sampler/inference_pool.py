@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.sampler.http_client import HttpClient, Reply, TransportError
+from shared.http_client import HttpClient, Reply, TransportError
 from services.sampler.notify import wait_event
 
 log = logging.getLogger("tandem.sampler.inference")

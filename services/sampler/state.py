@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.evals import Evals
-from services.sampler.http_client import HttpClient
+from shared.http_client import HttpClient
 from services.sampler.inference_pool import InferencePool
 from services.sampler.notify import Notifier
 from services.sampler.producer import Producer

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.sampler.http_client import Reply, TransportError
+from shared.http_client import Reply, TransportError
 from services.sampler.inference_pool import InferencePool, Server
 from services.sampler.store import Store
 

@@ -32,8 +32,8 @@ def test_handoff(tmp_path):
     from bench import bench_handoff
 
     result = bench_handoff.run(tmp_path, sizes=(64 * 1024,), reps={64 * 1024: 2})
-    assert {r["encoding"] for r in _written(tmp_path, "handoff")["rows"]} == {"msgpack", "json"}
-    assert all(r["p50_ms"] > 0 for r in result["rows"])
+    assert {r["encoding"] for r in _written(tmp_path, "handoff")["rows"]} == {"arrays", "msgpack", "json"}
+    assert all(r["p50_ms"] > 0 and r["samples"] == 8 and r["reps"] == 2 for r in result["rows"])
 
 
 def test_throughput(tmp_path):

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from shared import codec
 from shared.client import SamplerClient
 from tests.reliability.support import (
     Cleanup,
@@ -73,7 +74,7 @@ def _check_nothing_lost(url: str, trainer: Trainer, acked_before: int, batches_b
     with httpx.Client(timeout=30) as http:
         for batch in trainer.batches:
             again = http.get(f"{url}/batch", params={"step": batch["step"]})
-            assert again.status_code == 200 and again.json() == batch, f"batch {batch['step']} differs"
+            assert again.status_code == 200 and again.json() == codec.plain(batch), f"batch {batch['step']} differs"
         published = http.get(f"{url}/weights_version").json()["version"]
     assert published >= acked_before, f"version {acked_before} was acknowledged before the crash, now {published}"
     assert published == STEPS

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from services.sampler.http_client import HttpClient
+from shared.http_client import HttpClient
 from services.sampler.inference_pool import (
     InferencePool,
     InferenceRequestError,
