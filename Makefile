@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check shared services tests
+	$(VENV)/bin/ruff check shared services tests bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
