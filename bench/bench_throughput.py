@@ -10,6 +10,9 @@ sampler process's CPU seconds (utime + stime from /proc/PID/stat, all threads) p
 completion; 1 / that is what one core of sampler could sustain if inference, Redis and the
 trainer were elsewhere. On a 2-core machine all four processes share the cores, so the wall
 rate is bounded by the stand-in as much as by the sampler: both CPU figures are reported.
+36 steps are measured per run (about 5 s here): with the former 14 (~2 s), back-to-back
+runs differed by up to 20%, as a window that short holds only a few of the sampler's full
+garbage collections (one every few batches) and catches any burst of other work whole.
 Target: >= 5,000 completions/s.
 
 Writes bench/results/throughput.json and throughput.md; `python -m bench throughput`.
@@ -18,6 +21,7 @@ Writes bench/results/throughput.json and throughput.md; `python -m bench through
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 import uuid
@@ -66,9 +70,10 @@ def _one_run(tmp: Path, redis_url: str, *, steps: int, warmup: int, shape: dict[
     }
 
 
-def run(results_dir: Path, *, steps: int = 18, warmup: int = 3, repeats: int = 3, prompts_per_step: int = 64,
+def run(results_dir: Path, *, steps: int = 40, warmup: int = 3, repeats: int = 3, prompts_per_step: int = 64,
         num_generations: int = 16, max_tokens: int = 16, max_concurrency: int = 64) -> dict:
     shape = {"prompts_per_step": prompts_per_step, "num_generations": num_generations, "max_tokens": max_tokens}
+    load_at_start = round(os.getloadavg()[0], 2)  # other work on the machine skews both CPU figures
     with tempfile.TemporaryDirectory(prefix="tandem-bench-throughput-") as tmp_name:
         tmp = Path(tmp_name)
         with redis_server(tmp) as redis_url:
@@ -89,7 +94,7 @@ def run(results_dir: Path, *, steps: int = 18, warmup: int = 3, repeats: int = 3
         "target_completions_per_s": 5000,
         "meets_target_wall": med["completions_per_s"] >= 5000,
         "meets_target_one_core_capacity": (med["sampler_one_core_capacity_completions_per_s"] or 0) >= 5000,
-        "host": host(),
+        "host": {**host(), "loadavg_1m_at_start": load_at_start},
         "command": COMMAND,
     }
     lines = [
@@ -97,7 +102,8 @@ def run(results_dir: Path, *, steps: int = 18, warmup: int = 3, repeats: int = 3
         "",
         f"Stand-in inference with zero latency, batch {result['setup']['batch']}, trainer stand-in with T = 0, "
         f"max_staleness 2; {steps - warmup - 1} measured steps after {warmup} warm-up, {repeats} runs. "
-        f"Sampler, stand-in, Redis and trainer share {host()['cpus']} CPUs (shared with other work).",
+        f"Sampler, stand-in, Redis and trainer share {host()['cpus']} CPUs (shared with other work; "
+        f"1-minute load average {load_at_start} before the runs, {result['host']['loadavg_1m_at_end']} after).",
         "",
         "| run | completions/s (wall) | tokens/s | sampler CPU us/completion | sampler cores busy | one-core capacity completions/s | stand-in CPU us/completion |",
         "|---|---|---|---|---|---|---|",

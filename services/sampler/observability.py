@@ -143,10 +143,16 @@ class Observability:
         self.last_reward.set(stats.get("reward_mean", 0.0))
         if stats.get("generation_seconds") is not None:
             self.seal_latency.observe(stats["generation_seconds"])
+        reward, staleness = self.reward.observe, self.staleness.observe
+        tokens = 0
         for s in samples:
-            self.reward.observe(s["reward"])
-            self.staleness.observe(step - s["policy_version"])
-            self.sealed_tokens.inc(len(s["completion_token_ids"]))
+            reward(s["reward"])
+            staleness(step - s["policy_version"])
+            tokens += len(s["completion_token_ids"])
+        self.sealed_tokens.inc(tokens)
+        # Only the last `maxlen` samples stay in the ring: build entries for those alone.
+        recent = samples[-self.rollouts.maxlen:] if self.rollouts.maxlen is not None else samples
+        for s in recent:
             self.rollouts.append({
                 "step": step,
                 "prompt_id": s["prompt_id"],

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from services.sampler.advantages import group_advantages
-from services.sampler.envs.base import Completion, Environment, Example
+from services.sampler.envs.base import Completion, Environment, Example, gather_now
 from services.sampler.inference_pool import InferencePool, InferenceRequestError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -60,29 +60,59 @@ class Group:
     info: dict[str, Any] = field(default_factory=dict)
 
     def samples(self, env_name: str) -> list[dict[str, Any]]:
+        prompt_id, prompt_text = self.example.prompt_id, self.example.prompt
+        group_id, info = self.group_id, self.info
+        rewards, parts, advantages, versions = self.rewards, self.reward_parts, self.advantages, self.policy_versions
         out = []
         for i, c in enumerate(self.completions):
             out.append({
-                "prompt_id": self.example.prompt_id,
-                "group_id": self.group_id,
+                "prompt_id": prompt_id,
+                "group_id": group_id,
                 "prompt_token_ids": c.prompt_token_ids,
                 "completion_token_ids": c.token_ids,
                 "completion_logprobs": c.logprobs,
                 "loss_mask": c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids),
-                "reward": self.rewards[i],
-                "rewards": self.reward_parts[i],
-                "advantage": self.advantages[i],
-                "policy_version": self.policy_versions[i],
+                "reward": rewards[i],
+                "rewards": parts[i],
+                "advantage": advantages[i],
+                "policy_version": versions[i],
                 "finish_reason": c.finish_reason,
                 "use_count": 1,
                 "env": env_name,
                 "sample_index": i,
                 "versions": c.versions,
-                "prompt_text": self.example.prompt,
+                "prompt_text": prompt_text,
                 "completion_text": c.text,
-                **self.info,
+                **info,
             })
         return out
+
+
+def _label_version(label: Any) -> int | None:
+    """A `weight_versions` span label as an int, or None when it is not an integer label."""
+    if type(label) is int:
+        return label
+    if type(label) is str:
+        version = _LABELS.get(label)
+        if version is None and label not in _LABELS:
+            version = _LABELS[label] = int(label) if label.lstrip("-").isdigit() else None
+            if len(_LABELS) > 4096:  # labels are weight versions: few, but never grow without bound
+                _LABELS.clear()
+        return version
+    return int(label) if str(label).lstrip("-").isdigit() else None
+
+
+_LABELS: dict[str, int | None] = {}
+
+
+def _versions(spans: list[dict[str, Any]] | None) -> list[int]:
+    """The distinct integer versions of `weight_versions` spans, ascending."""
+    if not spans:
+        return []
+    if len(spans) == 1:
+        version = _label_version(spans[0].get("version", ""))
+        return [] if version is None else [version]
+    return sorted({v for span in spans if (v := _label_version(span.get("version", ""))) is not None})
 
 
 def parse_completions(body: dict[str, Any], served_version: int | None) -> list[Completion]:
@@ -101,15 +131,18 @@ def parse_completions(body: dict[str, Any], served_version: int | None) -> list[
                 f"inference answer has {0 if logprobs is None else len(logprobs)} logprobs "
                 f"for {len(token_ids)} tokens: the server must honour logprobs=0"
             )
-        versions = sorted({int(span["version"]) for span in choice.get("weight_versions") or []
-                           if str(span.get("version", "")).lstrip("-").isdigit()})
+        versions = _versions(choice.get("weight_versions"))
         if not versions and served_version is not None:
             versions = [served_version]
+        try:
+            floats = list(map(float, logprobs))
+        except TypeError:  # a null logprob among them: read as 0.0
+            floats = [float(x) if x is not None else 0.0 for x in logprobs]
         out.append(Completion(
             text=choice.get("text", ""),
             prompt_token_ids=list(prompt_ids),
             token_ids=list(token_ids),
-            logprobs=[float(x) if x is not None else 0.0 for x in logprobs],
+            logprobs=floats,
             finish_reason=_FINISH.get(choice.get("finish_reason") or "stop", "stop"),
             versions=versions,
         ))
@@ -189,7 +222,8 @@ class Rollouts:
             return await self.generate(prompt, n=n, min_version=min_version, **{"seed": seed, **kw})
 
         completions = await self.env.rollout(generate, example, n, **sampling)
-        scored = await asyncio.gather(*(self.env.score(example, c) for c in completions))
+        # Most scores finish without suspending: no task per completion for those.
+        scored = await gather_now([self.env.score(example, c) for c in completions])
         rewards = [total for total, _ in scored]
         versions = [min(c.versions) if c.versions else min_version for c in completions]
         return Group(

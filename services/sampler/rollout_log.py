@@ -13,10 +13,20 @@ Columns (a fixed schema, so files of one run concatenate):
   sample keys not listed here, e.g. a strategy's own fields).
 The batch's stats are in the file's schema metadata under `tandem.stats` (JSON).
 
-The writer is a producer `on_sealed` hook; it runs in a worker thread
-(`asyncio.to_thread`) so encoding and disk I/O never block the event loop. A batch is
-written by the process that sealed it, right after the seal: a process killed in that
-instant leaves that one step without a file (the batch itself is safe in Redis).
+The writer is a producer `on_sealed` hook. It builds the Arrow table on the event loop,
+column by column, yielding to the loop every couple of milliseconds, and hands Parquet
+encoding, compression and disk I/O (which release the GIL) to a worker thread
+(`asyncio.to_thread`). Converting Python objects in the worker thread instead, as an
+earlier version did, holds the GIL there while the event loop needs it after every socket
+read and write; under `bench throughput` that contention cost the event loop more CPU
+than the conversion itself. The first batch imports pyarrow (and, through it, pandas)
+in the worker thread.
+
+Each batch gets its own file right after its seal (nothing is buffered across batches,
+so the file layout above holds and the files trail the seals by milliseconds). A process
+killed between a seal and that file's rename leaves that step without a file, normally
+only the last step (the batch itself stays in Redis until trimmed); a file is either
+complete or absent.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ _COLUMNS = (
 )
 
 
-def schema():  # -> pyarrow.Schema; pyarrow is imported lazily (only the writer thread needs it)
+def schema():  # -> pyarrow.Schema; pyarrow is imported lazily (only a sampler that seals needs it)
     import pyarrow as pa
 
     return pa.schema([
@@ -68,6 +78,110 @@ def schema():  # -> pyarrow.Schema; pyarrow is imported lazily (only the writer 
     ])
 
 
+_KNOWN = frozenset(_COLUMNS)
+_EXTRA_JSON = json.JSONEncoder(default=str)  # json.dumps(x, default=str) without a new encoder per call
+_MEMO_TYPES = (str, int, bool, type(None))
+# Building a table yields to the event loop whenever it has run this long without a break.
+_SLICE_SECONDS = 0.002
+
+
+def _extras(samples: list[dict[str, Any]]) -> list[str | None]:
+    """The `extra` column: JSON of each sample's keys without a column of their own, or None."""
+    out: list[str | None] = []
+    # Samples of a batch mostly share their extras (e.g. the lesson): encode each distinct one
+    # once. Only str keys and str/int/bool/None values are remembered, with their types, so
+    # equal-but-different values (1, True) never share a text.
+    memo: dict[tuple, str] = {}
+    for s in samples:
+        keys = s.keys() - _KNOWN
+        if not keys:
+            out.append(None)
+            continue
+        if len(keys) == 1:  # the usual case: one extra key (the lesson), a scalar value
+            (key,) = keys
+            value = s[key]
+            if type(key) is str and type(value) in _MEMO_TYPES:
+                one = (key, type(value), value)
+                text = memo.get(one)
+                if text is None:
+                    text = memo[one] = _EXTRA_JSON.encode({key: value})
+                out.append(text)
+                continue
+            extra = {key: value}
+        else:
+            extra = {k: v for k, v in s.items() if k not in _KNOWN}
+        memo_key: tuple | None = tuple((k, type(v), v) for k, v in extra.items())
+        if all(type(k) is str and t in _MEMO_TYPES for k, t, _ in memo_key):  # type: ignore[union-attr]
+            text = memo.get(memo_key)  # type: ignore[arg-type]
+        else:
+            memo_key, text = None, None
+        if text is None:
+            text = _EXTRA_JSON.encode(extra)
+            if memo_key is not None:
+                memo[memo_key] = text
+        out.append(text)
+    return out
+
+
+def _column(payload: dict[str, Any], name: str) -> list[Any]:
+    """Column `name`'s Python values for one sealed batch (one per sample, in batch order)."""
+    step, samples = payload["step"], payload["samples"]
+    if name == "step":
+        return [step] * len(samples)
+    if name == "staleness":
+        return [step - s["policy_version"] for s in samples]
+    if name == "sealed_at":
+        return [payload.get("stats", {}).get("sealed_at")] * len(samples)
+    if name == "extra":
+        return _extras(samples)
+    return [s.get(name) for s in samples]
+
+
+def _rewards_array(samples: list[dict[str, Any]], type_: Any):  # -> pyarrow.MapArray
+    """The `rewards` map column from flat keys and values: no list of pairs per sample."""
+    import pyarrow as pa
+
+    offsets, keys, values = [0], [], []
+    for s in samples:
+        parts = s.get("rewards")
+        if parts:
+            keys.extend(parts.keys())
+            values.extend(parts.values())
+        offsets.append(len(keys))
+    return pa.MapArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(keys, type=type_.key_type),
+                                   pa.array(values, type=type_.item_type), type=type_)
+
+
+def _arrays(payload: dict[str, Any]):  # -> Iterator[pyarrow.Array], one per schema field
+    import pyarrow as pa
+
+    for f in schema():
+        if f.name == "rewards":
+            yield _rewards_array(payload["samples"], f.type)
+        else:
+            yield pa.array(_column(payload, f.name), type=f.type)
+
+
+def _metadata(payload: dict[str, Any]) -> dict[str, str]:
+    return {"tandem.stats": json.dumps(payload.get("stats", {}), default=str)}
+
+
+def to_table(payload: dict[str, Any]):  # -> pyarrow.Table
+    """One sealed batch as a table of the rollout-log schema, built column by column."""
+    import pyarrow as pa
+
+    return pa.Table.from_arrays(list(_arrays(payload)), schema=schema().with_metadata(_metadata(payload)))
+
+
+def _load_pyarrow() -> None:
+    """Import pyarrow and run one conversion (its first one imports pandas): ~0.3 s of CPU
+    that the first batch would otherwise spend on the event loop."""
+    import pyarrow as pa
+    import pyarrow.parquet  # noqa: F401
+
+    pa.array([0], type=pa.int64())
+
+
 class RolloutLog:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -75,13 +189,15 @@ class RolloutLog:
         self.rows_written = 0
         self.last_file: str | None = None
         self.last_error: str | None = None
+        self._loaded = False
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step-{step:06d}.parquet"
 
     async def on_sealed(self, payload: dict[str, Any]) -> None:
         try:
-            path = await asyncio.to_thread(self.write, payload)
+            table = await self._table(payload)
+            path = await asyncio.to_thread(self._write_table, table, payload["step"])
         except Exception as exc:
             self.last_error = f"step {payload['step']}: {type(exc).__name__}: {exc}"
             raise
@@ -90,23 +206,31 @@ class RolloutLog:
         self.last_file = str(path)
         self.last_error = None
 
-    def write(self, payload: dict[str, Any]) -> Path:
+    async def _table(self, payload: dict[str, Any]):  # -> pyarrow.Table
+        """`to_table` on the event loop, yielding to it every `_SLICE_SECONDS` or so (see
+        the module docstring for why not in the worker thread)."""
+        if not self._loaded:
+            await asyncio.to_thread(_load_pyarrow)
+            self._loaded = True
         import pyarrow as pa
+
+        loop = asyncio.get_running_loop()
+        arrays = []
+        since = loop.time()
+        for array in _arrays(payload):  # each step computes and converts one column
+            arrays.append(array)
+            if loop.time() - since >= _SLICE_SECONDS:
+                await asyncio.sleep(0)
+                since = loop.time()
+        return pa.Table.from_arrays(arrays, schema=schema().with_metadata(_metadata(payload)))
+
+    def write(self, payload: dict[str, Any]) -> Path:
+        """Write one sealed batch's file, synchronously (tools and tests; the hook is `on_sealed`)."""
+        return self._write_table(to_table(payload), payload["step"])
+
+    def _write_table(self, table: Any, step: int) -> Path:
         import pyarrow.parquet as pq
 
-        step, samples, stats = payload["step"], payload["samples"], payload.get("stats", {})
-        columns: dict[str, list[Any]] = {name: [] for name in schema().names}
-        for s in samples:
-            columns["step"].append(step)
-            for name in _COLUMNS:
-                columns[name].append(s.get(name))
-            columns["rewards"][-1] = list((s.get("rewards") or {}).items())
-            columns["staleness"].append(step - s["policy_version"])
-            columns["sealed_at"].append(stats.get("sealed_at"))
-            extra = {k: v for k, v in s.items() if k not in _COLUMNS}
-            columns["extra"].append(json.dumps(extra, default=str) if extra else None)
-        table = pa.Table.from_pydict(columns, schema=schema().with_metadata(
-            {"tandem.stats": json.dumps(stats, default=str)}))
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path_for(step)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

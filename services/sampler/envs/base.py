@@ -4,12 +4,20 @@ An environment owns a dataset of examples with stable global `prompt_id`s, forma
 prompts, runs a rollout (single-turn by default: one prompt, `n` completions) and scores
 completions with weighted async reward functions. The sampler owns everything else:
 dataset order, group expansion, advantages, staleness.
+
+Scoring is on the sampler's hot path (one score per completion), and most reward functions
+are `async def` only by signature: they compute and return without awaiting anything.
+`run_now` runs such a coroutine to completion on the spot, and only a coroutine that really
+suspends (I/O, a sandbox, a thread) is handed on to be awaited, so a cheap reward costs a
+function call rather than an asyncio task. A coroutine's first step then runs in the
+caller's task (and contextvars context) instead of a task of its own; results, exceptions
+and the concurrency of rewards that do suspend are as with `asyncio.gather`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -57,6 +65,81 @@ class Reward:
     weight: float = 1.0
 
 
+class _Resume:
+    """Awaitable that finishes a coroutine already advanced to its first suspension by
+    `run_now`: the rest of `yield from coro` (PEP 380), from the value it yielded."""
+
+    __slots__ = ("coro", "yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any):
+        self.coro = coro
+        self.yielded = yielded
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, value = self.coro, self.yielded
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - forwarded, as `yield from` does
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+
+
+def run_now(awaitable: Awaitable[Any]) -> tuple[bool, Any]:
+    """(True, result) if `awaitable` is a coroutine that finishes without suspending (it has
+    then run); otherwise (False, an awaitable of its result), to be awaited exactly once.
+    An exception raised before the first suspension propagates from here."""
+    if not asyncio.iscoroutine(awaitable) or not hasattr(awaitable, "send"):
+        return False, awaitable
+    try:
+        yielded = awaitable.send(None)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, _Resume(awaitable, yielded)
+
+
+async def gather_now(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
+    """`asyncio.gather(*awaitables)` (results in order, first exception raised), without a
+    task for each awaitable that `run_now` can finish on the spot."""
+    results: list[Any] = [None] * len(awaitables)
+    pending: list[tuple[int, Awaitable[Any]]] = []
+    try:
+        for i, aw in enumerate(awaitables):
+            done, value = run_now(aw)
+            if done:
+                results[i] = value
+            else:
+                pending.append((i, value))
+    except BaseException:
+        # The first exception wins, as with gather; nothing started may be left dangling.
+        for j in range(i + 1, len(awaitables)):
+            _close(awaitables[j])
+        for _, aw in pending:
+            _close(aw)
+        raise
+    if pending:
+        values = await asyncio.gather(*(aw for _, aw in pending))
+        for (i, _), value in zip(pending, values):
+            results[i] = value
+    return results
+
+
+def _close(aw: Any) -> None:
+    target = aw.coro if isinstance(aw, _Resume) else aw
+    if asyncio.iscoroutine(target) and hasattr(target, "close"):
+        target.close()
+
+
 class Environment:
     """Base class; subclasses set `name` and `rewards` and implement `examples`."""
 
@@ -76,7 +159,7 @@ class Environment:
 
     async def score(self, example: Example, completion: Completion) -> tuple[float, dict[str, float]]:
         """Weighted sum of the reward functions, and each one's raw value by name."""
-        values = await asyncio.gather(*(r.fn(example, completion) for r in self.rewards))
+        values = await gather_now([r.fn(example, completion) for r in self.rewards])
         by_name = {r.name: float(v) for r, v in zip(self.rewards, values)}
         total = sum(r.weight * by_name[r.name] for r in self.rewards)
         return float(total), by_name

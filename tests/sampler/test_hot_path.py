@@ -1,0 +1,258 @@
+"""The sampler's per-completion hot path keeps its results: scoring without a task per
+completion (`gather_now`), answer parsing, the columnar rollout-log table and the
+observability hook (`bench throughput` measures the speed; these pin the behaviour)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from services.sampler import rollout_log
+from services.sampler.envs.base import Completion, Environment, Example, Reward, gather_now, run_now
+from services.sampler.observability import Observability, _StateCollector
+from services.sampler.rollout import parse_completions
+from services.sampler.rollout_log import RolloutLog, to_table
+
+# ---------------------------------------------------------------- gather_now / run_now
+
+
+async def now(value):
+    return value
+
+
+async def later(value, delay=0.01):
+    await asyncio.sleep(delay)
+    return value
+
+
+async def test_run_now_finishes_coroutines_that_never_suspend():
+    assert run_now(now(7)) == (True, 7)
+    done, rest = run_now(later(8))
+    assert not done and await rest == 8
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(9)
+    done, same = run_now(future)  # not a coroutine: handed back untouched
+    assert not done and same is future and await same == 9
+
+
+async def test_gather_now_matches_gather():
+    async def bare(value):
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return value
+
+    assert await gather_now([]) == []
+    assert await gather_now([now(1), later(2), bare(3), now(4)]) == [1, 2, 3, 4]
+    # Suspending awaitables still run concurrently.
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await gather_now([later(1, 0.2), later(2, 0.2), now(3)]) == [1, 2, 3]
+    assert loop.time() - started < 0.35
+
+
+async def test_gather_now_raises_the_first_error_and_leaves_nothing_dangling():
+    async def boom():
+        raise ValueError("at once")
+
+    async def boom_later():
+        await asyncio.sleep(0.01)
+        raise KeyError("later")
+
+    suspended = later(1, 10)
+    never_started = now(2)
+    with pytest.raises(ValueError, match="at once"):
+        await gather_now([suspended, boom(), never_started])
+    # Both were closed (no "never awaited" warning, no pending sleep).
+    assert suspended.cr_frame is None and never_started.cr_frame is None
+    with pytest.raises(KeyError):
+        await gather_now([later(1), boom_later()])
+
+
+async def test_cancelling_gather_now_cancels_a_suspended_coroutine():
+    seen = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    task = asyncio.ensure_future(gather_now([slow(), now(1)]))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == ["cancelled"]
+
+
+async def test_environment_score_with_immediate_and_suspending_rewards():
+    async def right(example, completion):
+        return float(completion.text == example.answer)
+
+    async def length(example, completion):
+        await asyncio.sleep(0.001)
+        return len(completion.text)
+
+    class Env(Environment):
+        rewards = (Reward("right", right, 2.0), Reward("length", length, 0.5))
+
+    example = Example("p/1", "q", answer="ab")
+    completion = Completion(text="ab", prompt_token_ids=[1], token_ids=[2, 3], logprobs=[0.0, 0.0],
+                            finish_reason="stop")
+    assert await Env().score(example, completion) == (3.0, {"right": 1.0, "length": 2.0})
+
+
+# ---------------------------------------------------------------- parse_completions
+
+
+def _choice(index, token_ids, logprobs, spans, **extra):
+    return {"index": index, "text": "x" * len(token_ids), "token_ids": token_ids, "prompt_token_ids": [1, 2],
+            "logprobs": {"token_logprobs": logprobs}, "finish_reason": "length", "weight_versions": spans, **extra}
+
+
+def test_parse_completions_versions_and_logprobs():
+    body = {"choices": [
+        _choice(0, [5, 6], [-0.5, None], [{"version": "4"}]),  # a null logprob reads as 0.0
+        _choice(1, [5], [-1], [{"version": 7}]),  # an int label; an int logprob becomes a float
+        _choice(2, [5, 6, 7], [-0.1, -0.2, -0.3],
+                [{"version": "5"}, {"version": "-1"}, {"version": "5"}, {"version": "v6"}, {"start": 0}]),
+        _choice(3, [5], [-0.1], []),  # no spans: the serving server's version
+        _choice(4, [5], [-0.1], [{"version": "not-a-number"}]),
+    ]}
+    parsed = parse_completions(body, served_version=9)
+    assert [c.versions for c in parsed] == [[4], [7], [-1, 5], [9], [9]]
+    assert parsed[0].logprobs == [-0.5, 0.0]
+    assert parsed[1].logprobs == [-1.0] and type(parsed[1].logprobs[0]) is float
+    # Each completion owns its lists.
+    assert parsed[0].prompt_token_ids == parsed[1].prompt_token_ids and parsed[0].prompt_token_ids is not parsed[1].prompt_token_ids
+    assert parse_completions({"choices": [_choice(0, [5], [-0.1], [])]}, served_version=None)[0].versions == []
+
+
+# ---------------------------------------------------------------- rollout log
+
+
+def reference_table(payload):
+    """The rollout-log table the straightforward way: one dict of values per sample."""
+    step, samples, stats = payload["step"], payload["samples"], payload.get("stats", {})
+    known = set(rollout_log._COLUMNS)
+    rows = []
+    for s in samples:
+        extra = {k: v for k, v in s.items() if k not in known}
+        rows.append({**{name: s.get(name) for name in rollout_log._COLUMNS},
+                     "step": step, "rewards": list((s.get("rewards") or {}).items()),
+                     "staleness": step - s["policy_version"], "sealed_at": stats.get("sealed_at"),
+                     "extra": json.dumps(extra, default=str) if extra else None})
+    schema = rollout_log.schema()
+    return pa.Table.from_pylist(rows, schema=schema.with_metadata({"tandem.stats": json.dumps(stats, default=str)}))
+
+
+def sample(i, **over):
+    s = {"prompt_id": f"toy/train/{i // 4}", "group_id": f"s3-g{i // 4}", "prompt_token_ids": [1, 2, 3],
+         "completion_token_ids": [4, 5][: i % 3], "completion_logprobs": [-0.25, -0.5][: i % 3],
+         "loss_mask": [1, 1][: i % 3], "reward": float(i % 2), "rewards": {"correct": float(i % 2)},
+         "advantage": 0.5 - (i % 2), "policy_version": 2, "finish_reason": "length", "use_count": 1,
+         "env": "toy", "sample_index": i % 4, "versions": [2], "prompt_text": "even or odd? 12",
+         "completion_text": "e" * (i % 3), "created_at": 1700000000.5, "lesson": "toy"}
+    s.update(over)
+    return s
+
+
+def awkward_payload():
+    samples = [sample(i) for i in range(24)]
+    samples[1]["lesson"] = 1
+    samples[2]["lesson"] = True  # equal to 1, but JSON true
+    samples[3]["lesson"] = 1.0
+    samples[4]["lesson"] = -0.0
+    samples[5]["lesson"] = math.nan
+    samples[6].update(z=1, a=2)  # several extra keys, in insertion order
+    samples[7].update(a=2, z=1)
+    samples[8]["weird"] = [1, {"b": 2}]  # unhashable
+    samples[9]["obj"] = object()  # not JSON: str()
+    del samples[10]["lesson"]  # no extra at all
+    samples[11].pop("rewards")
+    samples[12]["rewards"] = None
+    samples[13]["rewards"] = {}
+    samples[14]["rewards"] = {"correct": 1, "format": True, "len": 0.5}
+    samples[15].pop("advantage")
+    samples[16]["completion_token_ids"] = np.array([7, 8], dtype=np.int32)  # a reused batch decodes arrays
+    samples[16]["completion_logprobs"] = np.array([-0.1, -0.2])
+    samples[17]["policy_version"] = 3
+    return {"step": 3, "samples": samples, "stats": {"step": 3, "sealed_at": 1700000001.25, "reward_mean": 0.5}}
+
+
+def test_rollout_table_matches_one_row_per_sample():
+    payload = awkward_payload()
+    table = to_table(payload)
+    assert table.equals(reference_table(payload), check_metadata=True)
+    extras = table.column("extra").to_pylist()
+    assert extras[1] == '{"lesson": 1}' and extras[2] == '{"lesson": true}' and extras[3] == '{"lesson": 1.0}'
+    assert extras[4] == '{"lesson": -0.0}' and extras[5] == '{"lesson": NaN}'
+    assert extras[6].endswith('"z": 1, "a": 2}') and extras[7].endswith('"a": 2, "z": 1}')
+    assert extras[10] is None
+    empty = {"step": 0, "samples": [], "stats": {}}
+    assert to_table(empty).equals(reference_table(empty), check_metadata=True)
+
+
+async def test_rollout_log_hook_writes_the_file_in_slices(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout_log, "_SLICE_SECONDS", 0.0)  # yield after every column
+    payload = awkward_payload()
+    log = RolloutLog(tmp_path / "rollouts")
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(ticker())
+    try:
+        await log.on_sealed(payload)
+    finally:
+        other.cancel()
+    assert ticks >= len(rollout_log.schema()) // 2  # the event loop ran between columns
+    path = tmp_path / "rollouts" / "step-000003.parquet"
+    assert log.snapshot()["last_file"] == str(path) and log.snapshot()["rows_written"] == 24
+    read = pq.read_table(path)
+    expected = reference_table(payload)
+    assert read.schema.equals(expected.schema)
+    assert read.schema.metadata[b"tandem.stats"] == expected.schema.metadata[b"tandem.stats"]
+    assert read.to_pylist() == expected.to_pylist()
+    assert not list((tmp_path / "rollouts").glob(".*.tmp"))
+
+
+async def test_rollout_log_reports_a_failed_write(tmp_path):
+    (tmp_path / "rollouts").write_text("a file where the directory should be")
+    log = RolloutLog(tmp_path / "rollouts")
+    with pytest.raises(OSError):
+        await log.on_sealed(awkward_payload())
+    assert log.snapshot()["last_error"].startswith("step 3: ") and log.snapshot()["files_written"] == 0
+
+
+# ---------------------------------------------------------------- observability hook
+
+
+def test_observability_on_sealed_counts_every_sample_and_keeps_the_last_ones(monkeypatch):
+    monkeypatch.setattr(_StateCollector, "collect", lambda self: iter(()))
+    obs = Observability(state=None)  # type: ignore[arg-type]
+    samples = [sample(i, completion_text=f"c{i}", completion_token_ids=[1] * (i % 5)) for i in range(500)]
+    obs.on_sealed({"step": 3, "samples": samples, "stats": {"reward_mean": 0.5, "generation_seconds": 0.1}})
+
+    def value(name, suffix=""):
+        return obs.registry.get_sample_value(name + suffix)
+
+    assert value("tandem_sampler_sealed_completion_tokens", "_total") == sum(i % 5 for i in range(500))
+    assert value("tandem_sampler_samples_sealed", "_total") == 500
+    assert value("tandem_sampler_reward", "_count") == 500
+    assert value("tandem_sampler_staleness", "_count") == 500
+    ring = list(obs.rollouts)
+    assert len(ring) == obs.rollouts.maxlen
+    assert [r["completion"] for r in ring] == [f"c{i}" for i in range(500 - obs.rollouts.maxlen, 500)]
+    assert ring[-1]["tokens"] == 499 % 5 and ring[-1]["step"] == 3
