@@ -73,6 +73,9 @@ def _as_ext(obj: Any) -> Any:
     if isinstance(obj, np.ndarray) and obj.ndim == 1:
         code = _EXT_CODES.get(obj.dtype.newbyteorder("<"))
         if code is not None:
+            base = obj.base
+            if isinstance(base, bytes) and obj.dtype == EXT_DTYPES[code] and obj.nbytes == len(base):
+                return msgpack.ExtType(code, base)  # a whole-bytes view (with_arrays made it): no copy
             return msgpack.ExtType(code, obj.astype(EXT_DTYPES[code], copy=False).tobytes())
     return _as_plain(obj)
 
@@ -97,26 +100,34 @@ def unpack(data: bytes) -> Any:
 def _typed(values: list, codes: tuple[str, ...]) -> Any:
     for code in codes:
         try:
-            return msgpack.ExtType(_STRUCT_EXT[code], _struct(code, len(values)).pack(*values))
+            data = _struct(code, len(values)).pack(*values)
         except struct.error:  # a value this type cannot hold (None, a float, out of range)
             continue
+        return np.frombuffer(data, EXT_DTYPES[_STRUCT_EXT[code]])
     return values
+
+
+def with_arrays(batch: dict[str, Any]) -> dict[str, Any]:
+    """`batch` with each sample's `ARRAY_FIELDS` lists as read-only numpy arrays (a list no
+    type holds exactly stays a list): what `pack_arrays` sends and `unpack` gives back.
+    New batch and sample dicts; the input is not modified."""
+    samples = batch.get("samples")
+    if not isinstance(samples, list):
+        return batch
+    typed_samples = []
+    for sample in samples:
+        typed = dict(sample)
+        for field, codes in ARRAY_FIELDS.items():
+            values = typed.get(field)
+            if type(values) is list:
+                typed[field] = _typed(values, codes)
+        typed_samples.append(typed)
+    return {**batch, "samples": typed_samples}
 
 
 def pack_arrays(batch: dict[str, Any]) -> bytes:
     """The arrays form of a batch (`{"step", "samples", ...}`); the input is not modified."""
-    samples = batch.get("samples")
-    if isinstance(samples, list):
-        typed_samples = []
-        for sample in samples:
-            typed = dict(sample)
-            for field, codes in ARRAY_FIELDS.items():
-                values = typed.get(field)
-                if type(values) is list:
-                    typed[field] = _typed(values, codes)
-            typed_samples.append(typed)
-        batch = {**batch, "samples": typed_samples}
-    return msgpack.packb(batch, use_bin_type=True, default=_as_ext)
+    return msgpack.packb(with_arrays(batch), use_bin_type=True, default=_as_ext)
 
 
 # --- JSON ------------------------------------------------------------------------------

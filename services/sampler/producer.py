@@ -232,7 +232,9 @@ class Producer:
                 try:
                     samples, extra = await self._samples(step, required, ticket)
                     stats = {**batch_stats(step, samples, progress.started_at, time.time()), **extra}
-                    payload = {"step": step, "samples": samples, "stats": stats}
+                    # The arrays form, also for the on-sealed hooks: the rollout log builds its
+                    # token columns from these arrays without touching each number.
+                    payload = codec.with_arrays({"step": step, "samples": samples, "stats": stats})
                     outcome = await self.store.seal(step, codec.pack_arrays(payload))
                     break
                 except asyncio.CancelledError:

@@ -13,7 +13,8 @@ Columns (a fixed schema, so files of one run concatenate):
   sample keys not listed here, e.g. a strategy's own fields).
 The batch's stats are in the file's schema metadata under `tandem.stats` (JSON).
 
-The writer is a producer `on_sealed` hook. It builds the Arrow table on the event loop,
+The writer is a producer `on_sealed` hook. It starts 20 ms after the seal, so that the batch's
+hand-off to a waiting trainer does not share the CPU with it, and builds the Arrow table on the event loop,
 column by column, yielding to the loop every couple of milliseconds, and hands Parquet
 encoding, compression and disk I/O (which release the GIL) to a worker thread
 (`asyncio.to_thread`). Converting Python objects in the worker thread instead, as an
@@ -82,7 +83,9 @@ _KNOWN = frozenset(_COLUMNS)
 _EXTRA_JSON = json.JSONEncoder(default=str)  # json.dumps(x, default=str) without a new encoder per call
 _MEMO_TYPES = (str, int, bool, type(None))
 # Building a table yields to the event loop whenever it has run this long without a break.
-_SLICE_SECONDS = 0.002
+_SLICE_SECONDS = 0.0005
+# How long after a seal its file is started (see `RolloutLog.on_sealed`).
+_DEFER_SECONDS = 0.02
 
 
 def _extras(samples: list[dict[str, Any]]) -> list[str | None]:
@@ -152,12 +155,29 @@ def _rewards_array(samples: list[dict[str, Any]], type_: Any):  # -> pyarrow.Map
                                    pa.array(values, type=type_.item_type), type=type_)
 
 
+def _list_array(values: list[Any], type_: Any):  # -> pyarrow.ListArray
+    """A list column. From numpy arrays (the producer hands hooks the arrays form) it is one
+    concatenation and an offsets vector, instead of a conversion of every number: a 64 MiB
+    batch's token columns took the event loop hundreds of milliseconds as Python lists."""
+    import numpy as np
+    import pyarrow as pa
+
+    if not values or not all(isinstance(v, np.ndarray) for v in values):
+        return pa.array(values, type=type_)
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum([len(v) for v in values], out=offsets[1:])
+    flat = pa.array(np.concatenate(values), type=type_.value_type)  # checked cast, as for lists
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), flat, type=type_)
+
+
 def _arrays(payload: dict[str, Any]):  # -> Iterator[pyarrow.Array], one per schema field
     import pyarrow as pa
 
     for f in schema():
         if f.name == "rewards":
             yield _rewards_array(payload["samples"], f.type)
+        elif pa.types.is_list(f.type):
+            yield _list_array(_column(payload, f.name), f.type)
         else:
             yield pa.array(_column(payload, f.name), type=f.type)
 
@@ -195,6 +215,10 @@ class RolloutLog:
         return self.directory / f"step-{step:06d}.parquet"
 
     async def on_sealed(self, payload: dict[str, Any]) -> None:
+        # Let a trainer parked on this batch have it first: its hand-off takes a few ms for a
+        # batch of a few MiB, and building and compressing the file meanwhile would share the
+        # cores with it (1 MiB batches: 4.2 ms p50 hand-off with this wait, 8.6 ms without).
+        await asyncio.sleep(_DEFER_SECONDS)
         try:
             table = await self._table(payload)
             path = await asyncio.to_thread(self._write_table, table, payload["step"])

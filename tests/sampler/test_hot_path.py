@@ -200,6 +200,19 @@ def test_rollout_table_matches_one_row_per_sample():
     assert to_table(empty).equals(reference_table(empty), check_metadata=True)
 
 
+def test_rollout_table_from_the_arrays_form_is_the_same_table():
+    from shared import codec
+
+    payload = {**awkward_payload(), "samples": [sample(i) for i in range(24)]}
+    payload["samples"][2]["loss_mask"] = [1, 100]  # uint8 in the arrays form, int8 in the file
+    payload["samples"][5]["completion_logprobs"] = [None, -0.5]  # stays a list: the column mixes
+    typed = codec.with_arrays(payload)  # what the producer hands its hooks
+    assert isinstance(typed["samples"][0]["prompt_token_ids"], np.ndarray)
+    assert typed["samples"][2]["loss_mask"].dtype == np.uint8
+    assert typed["samples"][5]["completion_logprobs"] == [None, -0.5]
+    assert to_table(typed).equals(to_table(payload), check_metadata=True)
+
+
 async def test_rollout_log_hook_writes_the_file_in_slices(tmp_path, monkeypatch):
     monkeypatch.setattr(rollout_log, "_SLICE_SECONDS", 0.0)  # yield after every column
     payload = awkward_payload()

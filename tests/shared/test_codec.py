@@ -51,6 +51,17 @@ def test_arrays_form_round_trips_every_value_exactly(seed):
     assert codec.dumps_json(decoded) == codec.dumps_json(batch)
 
 
+def test_with_arrays_gives_what_unpack_gives_and_packs_to_the_same_bytes():
+    batch = _batch(random.Random(2))
+    typed = codec.with_arrays(batch)
+    assert batch["samples"][0]["completion_token_ids"].__class__ is list  # the input is untouched
+    decoded = codec.unpack(codec.pack_arrays(batch))
+    for mine, theirs in zip(typed["samples"], decoded["samples"]):
+        for field in codec.ARRAY_FIELDS:
+            assert mine[field].dtype == theirs[field].dtype and (mine[field] == theirs[field]).all()
+    assert codec.pack_arrays(typed) == codec.pack_arrays(batch)
+
+
 def test_arrays_form_is_smaller_or_close_and_fields_outside_the_set_stay_lists():
     batch = _batch(random.Random(1))
     decoded = codec.unpack(codec.pack_arrays(batch))

@@ -11,7 +11,8 @@ are `async def` only by signature: they compute and return without awaiting anyt
 suspends (I/O, a sandbox, a thread) is handed on to be awaited, so a cheap reward costs a
 function call rather than an asyncio task. A coroutine's first step then runs in the
 caller's task (and contextvars context) instead of a task of its own; results, exceptions
-and the concurrency of rewards that do suspend are as with `asyncio.gather`.
+and the concurrency of rewards that do suspend are as with `asyncio.gather`. (This is what
+Python 3.12's eager task factory does; the project supports 3.11, which lacks it.)
 """
 
 from __future__ import annotations
