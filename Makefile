@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean browser
+.PHONY: install demo test bench lint clean test-tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,17 +19,23 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tandem demo $(ARGS)
 
-# The dashboard's browser test drives the system Chromium through Playwright (Playwright's
-# own browser download needs a network CI does not have). Installed once when missing and
-# when we are root with apt-get; otherwise that one test skips and says why.
-browser:
+# Two system tools some tests drive, installed once when missing and when we are root with
+# apt-get; otherwise those tests skip and say why. Chromium: the dashboard's browser test
+# drives it through Playwright (Playwright's own browser download needs a network CI does not
+# have). docker-compose: `docker-compose config` validates docker-compose.yml (no engine here).
+test-tools:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	    echo "installing chromium (apt-get) for the dashboard browser test" && \
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1; } || \
 	  echo "note: chromium is missing and could not be installed: the dashboard browser test will skip"
+	@command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    echo "installing docker-compose (apt-get) to validate docker-compose.yml" && \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; } >/dev/null 2>&1; } || \
+	  echo "note: docker-compose is missing and could not be installed: the compose config tests will skip"
 
-test: $(STAMP) browser
+test: $(STAMP) test-tools
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
