@@ -106,7 +106,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         producer.on_sealed.append(observability.on_sealed)
         weight_sync.on_synced.append(observability.on_synced)
         if settings.rollout_log:
-            rollout_log = state.extra["rollout_log"] = RolloutLog(settings.run_dir / "rollouts")
+            # Each file waits for its batch's hand-off to a trainer, at most a second.
+            rollout_log = state.extra["rollout_log"] = RolloutLog(
+                settings.run_dir / "rollouts", wait_for_handoff=lambda step: store.wait_served(step, 1.0))
             producer.on_sealed.append(rollout_log.on_sealed)
         supervisor.spawn("throughput", observability.run)
 

@@ -23,6 +23,8 @@ log = logging.getLogger("tandem.sampler.notify")
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     """Wait until `event` is set, at most `timeout` seconds; False when the time ran out."""
+    if event.is_set():  # wait_for with a zero timeout would not even look
+        return True
     try:
         await asyncio.wait_for(event.wait(), max(timeout, 0.0))
         return True

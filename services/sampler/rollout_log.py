@@ -13,9 +13,11 @@ Columns (a fixed schema, so files of one run concatenate):
   sample keys not listed here, e.g. a strategy's own fields).
 The batch's stats are in the file's schema metadata under `tandem.stats` (JSON).
 
-The writer is a producer `on_sealed` hook. It starts 20 ms after the seal, so that the batch's
-hand-off to a waiting trainer does not share the CPU with it, and builds the Arrow table on the event loop,
-column by column, yielding to the loop every couple of milliseconds, and hands Parquet
+The writer is a producer `on_sealed` hook. It starts 20 ms after the batch has been sent to a
+trainer (or after a second, when none asks for it), so that it does not share the CPU with
+the hand-off, and builds the Arrow table on the event loop,
+column by column (token columns from the arrays form in one concatenation each), yielding
+to the loop every half millisecond, and hands Parquet
 encoding, compression and disk I/O (which release the GIL) to a worker thread
 (`asyncio.to_thread`). Converting Python objects in the worker thread instead, as an
 earlier version did, holds the GIL there while the event loop needs it after every socket
@@ -23,8 +25,8 @@ read and write; under `bench throughput` that contention cost the event loop mor
 than the conversion itself. The first batch imports pyarrow (and, through it, pandas)
 in the worker thread.
 
-Each batch gets its own file right after its seal (nothing is buffered across batches,
-so the file layout above holds and the files trail the seals by milliseconds). A process
+Each batch gets its own file right after its hand-off (nothing is buffered across batches,
+so the file layout above holds; files trail the seals by at most about a second). A process
 killed between a seal and that file's rename leaves that step without a file, normally
 only the last step (the batch itself stays in Redis until trimmed); a file is either
 complete or absent.
@@ -36,6 +38,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +87,8 @@ _EXTRA_JSON = json.JSONEncoder(default=str)  # json.dumps(x, default=str) withou
 _MEMO_TYPES = (str, int, bool, type(None))
 # Building a table yields to the event loop whenever it has run this long without a break.
 _SLICE_SECONDS = 0.0005
-# How long after a seal its file is started (see `RolloutLog.on_sealed`).
-_DEFER_SECONDS = 0.02
+# After a batch's answer has gone to the socket, its reader still receives and decodes the end.
+_SETTLE_SECONDS = 0.02
 
 
 def _extras(samples: list[dict[str, Any]]) -> list[str | None]:
@@ -203,8 +206,9 @@ def _load_pyarrow() -> None:
 
 
 class RolloutLog:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, wait_for_handoff: Callable[[int], Awaitable[Any]] | None = None):
         self.directory = Path(directory)
+        self.wait_for_handoff = wait_for_handoff
         self.files_written = 0
         self.rows_written = 0
         self.last_file: str | None = None
@@ -215,10 +219,12 @@ class RolloutLog:
         return self.directory / f"step-{step:06d}.parquet"
 
     async def on_sealed(self, payload: dict[str, Any]) -> None:
-        # Let a trainer parked on this batch have it first: its hand-off takes a few ms for a
-        # batch of a few MiB, and building and compressing the file meanwhile would share the
-        # cores with it (1 MiB batches: 4.2 ms p50 hand-off with this wait, 8.6 ms without).
-        await asyncio.sleep(_DEFER_SECONDS)
+        # Let the trainer have this batch first: building and compressing the file while the
+        # batch is on its way would share the cores with the hand-off (bench handoff p50, 1 MiB:
+        # 4.1 ms with these waits, 8.6 ms with none; 64 MiB: 193 ms, ~230 ms with 20 ms alone).
+        if self.wait_for_handoff is not None:
+            await self.wait_for_handoff(payload["step"])
+            await asyncio.sleep(_SETTLE_SECONDS)
         try:
             table = await self._table(payload)
             path = await asyncio.to_thread(self._write_table, table, payload["step"])

@@ -21,6 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
+from services.sampler.notify import wait_event
 
 # KEYS: batch, sealed, meta. ARGV: step, payload, channel.
 # Returns 1 when sealed now, 0 when it was already sealed, -1 when the step was trimmed.
@@ -92,6 +93,8 @@ class Store:
         self._recent: OrderedDict[int, bytes] = OrderedDict()
         # Seals this process has in flight: step -> future of "these bytes became the batch".
         self._sealing: dict[int, asyncio.Future[bool]] = {}
+        # Steps whose batch this process has answered a GET /batch with (the recent ones).
+        self._served: OrderedDict[int, asyncio.Event] = OrderedDict()
         self.recent_cap = recent_cap
         self.keys = keys
         self.stats_cap = stats_cap
@@ -140,6 +143,22 @@ class Store:
                 return cached
             self._recent.pop(step, None)
         return await self.r.get(self.keys.batch(step))
+
+    def _served_event(self, step: int) -> asyncio.Event:
+        event = self._served.get(step)
+        if event is None:
+            event = self._served[step] = asyncio.Event()
+            while len(self._served) > 4 * self.recent_cap:
+                self._served.popitem(last=False)
+        return event
+
+    def mark_served(self, step: int) -> None:
+        """A GET /batch answer with batch `step` has been sent (flow control permitting)."""
+        self._served_event(step).set()
+
+    async def wait_served(self, step: int, timeout: float) -> bool:
+        """Wait until batch `step` has been sent to a reader, at most `timeout` seconds."""
+        return await wait_event(self._served_event(step), timeout)
 
     async def is_sealed(self, step: int) -> bool:
         return await self.r.zscore(self.keys.sealed, step) is not None

@@ -241,6 +241,24 @@ async def test_rollout_log_hook_writes_the_file_in_slices(tmp_path, monkeypatch)
     assert not list((tmp_path / "rollouts").glob(".*.tmp"))
 
 
+async def test_rollout_log_waits_for_the_batch_hand_off_before_writing(tmp_path):
+    handed_off = asyncio.Event()
+    waited_for: list[int] = []
+
+    async def wait_for_handoff(step):
+        waited_for.append(step)
+        await handed_off.wait()
+
+    log = RolloutLog(tmp_path / "rollouts", wait_for_handoff=wait_for_handoff)
+    writing = asyncio.create_task(log.on_sealed(awkward_payload()))
+    await asyncio.sleep(0.2)
+    assert waited_for == [3] and not writing.done()
+    assert not (tmp_path / "rollouts").exists()
+    handed_off.set()
+    await asyncio.wait_for(writing, 30)
+    assert (tmp_path / "rollouts" / "step-000003.parquet").exists()
+
+
 async def test_rollout_log_reports_a_failed_write(tmp_path):
     (tmp_path / "rollouts").write_text("a file where the directory should be")
     log = RolloutLog(tmp_path / "rollouts")

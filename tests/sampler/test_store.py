@@ -51,3 +51,15 @@ async def test_a_trimmed_batch_is_not_served_from_memory(redis, namespace):
     assert await store.get_batch(0) == b"batch 0"
     await store.trim_below(1)
     assert await store.get_batch(0) is None
+
+
+async def test_wait_served_returns_once_a_reader_was_answered_or_after_the_timeout(redis, namespace):
+    store = Store(redis, Keys(namespace))
+    assert await store.wait_served(0, 0.05) is False
+    waiting = asyncio.create_task(store.wait_served(1, 30))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    store.mark_served(1)
+    assert await waiting is True
+    store.mark_served(2)  # answered before anyone waits: the wait returns at once
+    assert await store.wait_served(2, 0) is True

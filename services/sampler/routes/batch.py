@@ -11,6 +11,7 @@ import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from starlette.background import BackgroundTask
 
 from services.sampler.deps import State
 from services.sampler.notify import wait_event
@@ -62,7 +63,11 @@ async def get_batch(
         changed = notifier.changed()
         payload = await store.get_batch(step)
         if payload is not None:
-            return _batch_response(payload, rank, world_size, accept)
+            response = _batch_response(payload, rank, world_size, accept)
+            # Runs once the body is handed to the socket: observers waiting for the
+            # hand-off (the rollout log) start then, not while the trainer receives it.
+            response.background = BackgroundTask(store.mark_served, step)
+            return response
         meta = await store.meta()
         if step < meta["trimmed_below"]:
             raise HTTPException(
