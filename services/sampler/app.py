@@ -22,7 +22,6 @@ from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.envs import Environment, load_environment
 from services.sampler.evals import Evals
-from shared.http_client import HttpClient
 from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
@@ -39,6 +38,7 @@ from services.sampler.store import Store
 from services.sampler.strategy import Strategy, load_strategy
 from services.sampler.supervisor import Supervisor
 from services.sampler.weight_sync import WeightSync
+from shared.http_client import HttpClient
 
 log = logging.getLogger("tandem.sampler")
 

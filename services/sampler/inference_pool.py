@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.http_client import HttpClient, Reply, TransportError
 from services.sampler.notify import wait_event
+from shared.http_client import HttpClient, Reply, TransportError
 
 log = logging.getLogger("tandem.sampler.inference")
 

@@ -13,7 +13,6 @@ import redis.asyncio as aioredis
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.evals import Evals
-from shared.http_client import HttpClient
 from services.sampler.inference_pool import InferencePool
 from services.sampler.notify import Notifier
 from services.sampler.producer import Producer
@@ -23,6 +22,7 @@ from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
 from services.sampler.strategy import Strategy
 from services.sampler.weight_sync import WeightSync
+from shared.http_client import HttpClient
 
 
 @dataclass

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.http_client import Reply, TransportError
 from services.sampler.inference_pool import InferencePool, Server
 from services.sampler.store import Store
+from shared.http_client import Reply, TransportError
 
 log = logging.getLogger("tandem.sampler.weights")
 

@@ -7,13 +7,13 @@ import asyncio
 import httpx
 import pytest
 
-from shared.http_client import HttpClient
 from services.sampler.inference_pool import (
     InferencePool,
     InferenceRequestError,
     InferenceUnavailable,
 )
 from services.sampler.rollout import DatasetOrder, parse_completions
+from shared.http_client import HttpClient
 from tests.support.servers import start_standin
 
 
