@@ -133,6 +133,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         await supervisor.shutdown(SHUTDOWN_DEADLINE)
         if "state" in locals():
             await state.evals.shutdown()
+            await state.weight_sync.shutdown(SHUTDOWN_DEADLINE)
         await http.aclose()
         await redis.aclose()
         if embedded is not None and embedded.started_here:

@@ -64,7 +64,9 @@ class WeightSync:
         self.step_timeout = step_timeout
         self.resume_deadline = resume_deadline
         self.lock = asyncio.Lock()
-        self._background: set[asyncio.Task] = set()
+        self._syncing: set[asyncio.Task | None] = set()  # tasks now inside sync_server
+        self._resuming: set[asyncio.Task] = set()  # the resume at the end of each sync
+        self._background: set[asyncio.Task] = set()  # retries for servers that would not resume
         # Called with every SyncResult (metrics); must not raise.
         self.on_synced: list[Callable[[SyncResult], None]] = []
 
@@ -89,12 +91,34 @@ class WeightSync:
                 if time.monotonic() > deadline:
                     log.error("resume of %s still failing after %.0fs (%s); retrying in the background",
                               server.url, self.resume_deadline, exc)
-                    task = asyncio.create_task(self._resume_forever(server), name=f"resume-{server.url}")
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
+                    self._track(self._background, asyncio.create_task(self._resume_forever(server),
+                                                                       name=f"resume-{server.url}"))
                     return False
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    @staticmethod
+    def _track(tasks: set[asyncio.Task], task: asyncio.Task) -> asyncio.Task:
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    async def shutdown(self, deadline: float) -> None:
+        """Give syncs in flight and their resumes `deadline` seconds (a server must not stay
+        paused because the sampler stopped: uvicorn cancels a request that outlasts its
+        graceful shutdown, and the cancelled sync still resumes), then cancel the resumes left
+        and the background retries of servers that would not resume. Call before closing the
+        HTTP client."""
+        give_up = time.monotonic() + deadline
+        # A sync that is being cancelled starts its resume (in _resuming) on its way out.
+        while self._syncing and time.monotonic() < give_up:
+            await asyncio.sleep(0.01)
+        if self._resuming:
+            await asyncio.wait(list(self._resuming), timeout=max(0.0, give_up - time.monotonic()))
+        left = self._resuming | self._background
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     async def _resume_forever(self, server: Server) -> None:
         while True:
@@ -106,6 +130,14 @@ class WeightSync:
                 await asyncio.sleep(5.0)
 
     async def sync_server(self, server: Server, version: int, checkpoint_path: str) -> SyncResult:
+        task = asyncio.current_task()
+        self._syncing.add(task)
+        try:
+            return await self._sync_server(server, version, checkpoint_path)
+        finally:
+            self._syncing.discard(task)
+
+    async def _sync_server(self, server: Server, version: int, checkpoint_path: str) -> SyncResult:
         started = time.monotonic()
         server.syncing = True
         error: SyncStepError | None = None
@@ -121,9 +153,15 @@ class WeightSync:
         except SyncStepError as exc:
             error = exc
         finally:
-            # Even when pause itself failed, the server may have paused: resume regardless.
-            resumed = await self.resume(server)
-            server.syncing = False
+            # Even when pause itself failed, the server may have paused: resume regardless,
+            # in a task of its own, so a cancelled sync (a request cut off by shutdown) still
+            # resumes, and shutdown() can wait for it.
+            resuming = self._track(self._resuming, asyncio.create_task(self.resume(server),
+                                                                       name=f"resume-after-sync-{server.url}"))
+            try:
+                resumed = await asyncio.shield(resuming)
+            finally:
+                server.syncing = False
         seconds = time.monotonic() - started
         if error is None and resumed:
             server.last_sync_seconds = seconds

@@ -79,3 +79,41 @@ def test_a_server_labelled_ahead_of_the_run_is_relabelled(make_sampler, standin)
     batch = httpx.get(sampler.url + "/batch", params={"step": 0, "timeout": 20}, timeout=30).json()
     assert {s["policy_version"] for s in batch["samples"]} == {0}
     assert httpx.get(standin.url + "/weight_info").json()["weight_version"] == "0"
+
+
+async def test_a_sync_cut_off_by_shutdown_still_resumes_the_server(standin, redis_url, namespace):
+    # What uvicorn does when a POST /weights_version outlasts the graceful shutdown: cancel
+    # the request's task, then run the lifespan's shutdown, which closes the HTTP client.
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from services.sampler.inference_pool import InferencePool
+    from services.sampler.keys import Keys
+    from services.sampler.store import Store
+    from services.sampler.weight_sync import WeightSync
+    from shared.http_client import HttpClient
+
+    httpx.post(f"{standin.url}/_standin/configure", json={"reload_delay": 30.0, "resume_delay": 0.5})
+    http = HttpClient(max_connections=8, timeout=60)
+    pool = InferencePool([standin.url], max_concurrency=4, request_timeout=60, retries=1, http=http)
+    redis = aioredis.from_url(redis_url)
+    sync = WeightSync(pool, Store(redis, Keys(namespace)))
+    try:
+        task = asyncio.create_task(sync.sync_server(pool.servers[0], 1, "/nowhere"))
+        async with httpx.AsyncClient() as client:
+            for _ in range(100):
+                if (await client.get(f"{standin.url}/is_paused")).json()["is_paused"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await client.get(f"{standin.url}/is_paused")).json()["is_paused"]
+            task.cancel()
+            await sync.shutdown(10)
+            await http.aclose()
+            assert not (await client.get(f"{standin.url}/is_paused")).json()["is_paused"]
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await http.aclose()
+        await redis.aclose()
+        httpx.post(f"{standin.url}/_standin/configure", json={"reload_delay": 0.0, "resume_delay": 0.0})
