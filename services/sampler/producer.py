@@ -41,6 +41,10 @@ from services.sampler.strategy import BuildContext, Strategy
 
 log = logging.getLogger("tandem.sampler.producer")
 
+# Waits on a change event also look again this often: a wake-up published while the event
+# subscription was down (Redis restarting) would otherwise be waited for forever.
+_RECHECK_SECONDS = 2.0
+
 
 @dataclass
 class Progress:
@@ -101,7 +105,7 @@ class Producer:
                 return
             if self.waiting is None or self.waiting[0] != required:
                 self.waiting = (required, time.monotonic())
-            await changed.wait()
+            await wait_event(changed, _RECHECK_SECONDS)
 
     async def run(self) -> None:
         """Start a build for every unsealed step, in order, as soon as it may start."""
@@ -216,7 +220,7 @@ class Producer:
             payload = await self.store.get_batch(base)
             if payload is not None:
                 break
-            await changed.wait()
+            await wait_event(changed, _RECHECK_SECONDS)
         samples = codec.unpack(payload)["samples"]
         for sample in samples:
             sample["use_count"] = sample.get("use_count", 1) + (step - base)

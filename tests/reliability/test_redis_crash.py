@@ -95,7 +95,10 @@ def _drill(url: str, crash: Any, restart: Any) -> None:
     left = STEPS - len(trainer.published)
     assert left > 0, "the trainer finished during the outage: the drill tested nothing"
     trainer.join(90)
-    assert not trainer.is_alive(), f"the trainer did not finish within 90s of Redis coming back: {len(trainer.batches)} batches"
+    if trainer.is_alive():
+        status = httpx.get(f"{url}/status", timeout=30).json()
+        raise AssertionError(f"the trainer did not finish within 90s of Redis coming back: {len(trainer.batches)} "
+                             f"batches; sampler steps: {status['steps']}; versions: {status['versions']}")
     _check_nothing_lost(url, trainer, acked_before, batches_before)
 
 
