@@ -154,11 +154,6 @@ def negotiate(accept: str | None) -> str:
     return JSON
 
 
-def wants_msgpack(accept: str | None) -> bool:
-    """True when an Accept header prefers a msgpack form over JSON."""
-    return negotiate(accept) != JSON
-
-
 def encode(obj: Any, media_type: str) -> bytes:
     if media_type == ARRAYS:
         return pack_arrays(obj)

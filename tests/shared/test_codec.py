@@ -105,4 +105,4 @@ def test_accept_negotiation():
     assert codec.negotiate("application/x-msgpack, */*") == codec.MSGPACK
     assert codec.negotiate("application/json") == codec.JSON
     assert codec.negotiate(None) == codec.JSON
-    assert codec.wants_msgpack("application/msgpack") and not codec.wants_msgpack("text/html")
+    assert codec.negotiate("text/html") == codec.JSON
