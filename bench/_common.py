@@ -112,7 +112,7 @@ def _start_pyspy(pid: int) -> subprocess.Popen | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: str = "application/vnd.tandem+msgpack",
+async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: str | None = None,
                        deadline_s: float = 600.0, on_step: Any = None) -> list[dict[str, Any]]:
     """A trainer stand-in over the real protocol: GET /batch?step=N (long-poll through 204s),
     sleep `train_seconds`, POST /weights_version {version: N+1}. Returns one record per step:
@@ -122,7 +122,7 @@ async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: st
     from shared import codec
 
     records: list[dict[str, Any]] = []
-    headers = {"Accept": accept}  # by default the arrays form, as SamplerClient asks
+    headers = {"Accept": accept or codec.ARRAYS}  # by default the arrays form, as SamplerClient asks
     give_up = time.monotonic() + deadline_s
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0, read=60.0)) as http:
         for step in range(steps):
