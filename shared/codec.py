@@ -127,7 +127,13 @@ def with_arrays(batch: dict[str, Any]) -> dict[str, Any]:
 
 def pack_arrays(batch: dict[str, Any]) -> bytes:
     """The arrays form of a batch (`{"step", "samples", ...}`); the input is not modified."""
-    return msgpack.packb(with_arrays(batch), use_bin_type=True, default=_as_ext)
+    return pack_typed(with_arrays(batch))
+
+
+def pack_typed(batch: dict[str, Any]) -> bytes:
+    """`pack_arrays` for a batch whose arrays are numpy arrays already (what `with_arrays`
+    returns, or a decoded batch): the same bytes, without copying every sample again."""
+    return msgpack.packb(batch, use_bin_type=True, default=_as_ext)
 
 
 # --- JSON ------------------------------------------------------------------------------

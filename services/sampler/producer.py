@@ -239,7 +239,7 @@ class Producer:
                     # The arrays form, also for the on-sealed hooks: the rollout log builds its
                     # token columns from these arrays without touching each number.
                     payload = codec.with_arrays({"step": step, "samples": samples, "stats": stats})
-                    outcome = await self.store.seal(step, codec.pack_arrays(payload))
+                    outcome = await self.store.seal(step, codec.pack_typed(payload))
                     break
                 except asyncio.CancelledError:
                     raise

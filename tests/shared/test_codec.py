@@ -59,7 +59,7 @@ def test_with_arrays_gives_what_unpack_gives_and_packs_to_the_same_bytes():
     for mine, theirs in zip(typed["samples"], decoded["samples"]):
         for field in codec.ARRAY_FIELDS:
             assert mine[field].dtype == theirs[field].dtype and (mine[field] == theirs[field]).all()
-    assert codec.pack_arrays(typed) == codec.pack_arrays(batch)
+    assert codec.pack_arrays(typed) == codec.pack_typed(typed) == codec.pack_arrays(batch)
 
 
 def test_arrays_form_is_smaller_or_close_and_fields_outside_the_set_stay_lists():
