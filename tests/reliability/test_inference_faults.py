@@ -71,7 +71,9 @@ def test_5xx_hanging_and_dead_servers_fail_over_stall_and_recover(tmp_path: Path
     assert servers[failing.url]["failures"] >= 1 and "503" in servers[failing.url]["error"], servers[failing.url]
     assert servers[hanging.url]["failures"] >= 1 and "Timeout" in servers[hanging.url]["error"], servers[hanging.url]
     # Killed mid-request it drops the connection; killed between requests it refuses new ones.
-    dead_errors = ("Connect", "RemoteProtocolError", "ReadError")
+    # (aiohttp, the sampler's client, names a dropped connection ServerDisconnectedError, or
+    # ClientOSError "Connection reset by peer"; httpx, which it replaced, RemoteProtocolError.)
+    dead_errors = ("Connect", "ServerDisconnected", "Connection reset", "RemoteProtocolError", "ReadError")
     assert servers[dying.url]["failures"] >= 1, servers[dying.url]
     assert any(e in servers[dying.url]["error"] for e in dead_errors), servers[dying.url]
     assert servers[healthy.url]["error"] is None and servers[healthy.url]["requests"] >= 1
