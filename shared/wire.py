@@ -100,9 +100,35 @@ class WeightsVersionRequest(BaseModel):
 class ServerVersion(_Open):
     url: str
     version: int | None = None
+    # ok (in rotation), joining, down, resyncing, stale, mismatch or leaving; `reason` says why
+    # a server is out of rotation.
+    state: str = "ok"
+    reason: str | None = None
     healthy: bool = True
     error: str | None = None
     last_sync_seconds: float | None = None
+
+
+class InferenceServerRequest(BaseModel):
+    """Body of POST and DELETE /inference_servers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(max_length=2048, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$",
+                     description="base URL of a server speaking vLLM's HTTP API, e.g. http://10.0.0.5:8000")
+
+
+class InferenceServers(_Open):
+    servers: list[ServerVersion]
+    published_version: int
+    checkpoint_path: str | None = None
+
+
+class InferenceServerRemoved(_Open):
+    url: str
+    removed: bool
+    outstanding: int = Field(description="requests still in flight to it when the answer was sent")
+    drained: bool
 
 
 class WeightsVersion(_Open):

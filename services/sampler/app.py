@@ -1,8 +1,8 @@
 """The sampler's FastAPI app. The lifespan owns every client and background task.
 
 Start-up: Redis (external, or the embedded one under run_dir), the events listener,
-the HTTP client for inference servers, per-server version discovery, the producer and
-unfinished evals. Shutdown cancels the tasks within a deadline, closes the clients and
+the HTTP client for inference servers, the fleet (membership and health of the inference
+servers), the producer and unfinished evals. Shutdown cancels the tasks within a deadline, closes the clients and
 stops the embedded Redis if this process started it (its AOF keeps the data).
 """
 
@@ -22,6 +22,7 @@ from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.envs import Environment, load_environment
 from services.sampler.evals import Evals
+from services.sampler.fleet import Fleet
 from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
@@ -32,11 +33,11 @@ from services.sampler.sources import FreshGroups
 from services.sampler.observability import HttpMetricsMiddleware, Observability
 from services.sampler.rollout_log import RolloutLog
 from services.sampler import guards
-from services.sampler.routes import batch, dashboard, evals, health, metrics, status, weights
+from services.sampler.routes import batch, dashboard, evals, health, inference_servers, metrics, status, weights
 from services.sampler.state import SamplerState
 from services.sampler.store import Store
 from services.sampler.strategy import Strategy, load_strategy
-from services.sampler.supervisor import Supervisor
+from services.sampler.supervisor import Supervisor, install_task_dump
 from services.sampler.weight_sync import WeightSync
 from shared.http_client import HttpClient
 
@@ -55,8 +56,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
     # No command here blocks server-side, so a plain socket timeout is safe; the
     # long-lived subscription in Notifier has its own connection without one.
     redis = aioredis.from_url(redis_url, socket_timeout=15, socket_connect_timeout=5, health_check_interval=15)
-    # Room for every request in flight plus the weight-sync and discovery calls.
-    http = HttpClient(max_connections=settings.max_concurrency + 2 * len(settings.inference_urls) + 4,
+    # Room for every request in flight plus the weight-sync and health-check calls (servers
+    # can join at run time, hence the margin).
+    http = HttpClient(max_connections=settings.max_concurrency + 2 * len(settings.inference_urls) + 64,
                       timeout=settings.request_timeout)
     supervisor = Supervisor()
     try:
@@ -93,12 +95,15 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                              max_oversample=settings.max_oversample, curriculum=curriculum)
         producer = Producer(store=store, notifier=notifier, pool=pool, source=source, strategy=strategy,
                             redis=redis, keys=keys, env_name=env.name, claim_ttl=settings.claim_ttl)
+        fleet = Fleet(pool, store, weight_sync, notifier, initial_urls=settings.inference_urls, owner=producer.owner,
+                      check_interval=settings.server_check_interval, check_timeout=settings.server_check_timeout)
         eval_jobs = Evals(redis, keys, notifier, rollouts_for, lessons=curriculum.lessons if curriculum else None,
                           concurrency=settings.eval_concurrency or max(1, settings.max_concurrency // 4),
                           default_examples=settings.eval_examples)
         state = SamplerState(settings=settings, redis=redis, redis_url=redis_url, embedded=embedded, store=store,
                              notifier=notifier, http=http, pool=pool, rollouts=rollouts, strategy=strategy,
-                             producer=producer, weight_sync=weight_sync, evals=eval_jobs, rollouts_for=rollouts_for,
+                             producer=producer, weight_sync=weight_sync, fleet=fleet, evals=eval_jobs,
+                             rollouts_for=rollouts_for,
                              source=source, curriculum=curriculum)
         state.extra["supervisor"] = supervisor
         # Observability: a per-app metrics registry, and the Parquet rollout log.
@@ -114,16 +119,15 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
 
         supervisor.spawn("events", notifier.run)
         await asyncio.wait_for(notifier.connected.wait(), 10)
-        meta = await store.meta()
-        for server in pool.servers:
-            supervisor.spawn(f"discover {server.url}",
-                             functools.partial(weight_sync.discover, server, meta["version"], meta["checkpoint_path"]))
+        await fleet.start()
+        supervisor.spawn("fleet", fleet.run)
         supervisor.spawn("producer", producer.run)
         await eval_jobs.resume_unfinished()
         log.info("sampler ready: env %s, strategy %s (k=%s), %d inference server(s), redis %s",
                  env.name, strategy.name, settings.staleness, len(pool.servers), "embedded" if embedded else "external")
         if embedded is not None:
             supervisor.spawn("embedded redis watchdog", functools.partial(watch_embedded, embedded))
+        install_task_dump()
         yield state
     finally:
         if "state" in locals():
@@ -132,6 +136,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             await state.producer.drain(settings.drain_deadline)
         await supervisor.shutdown(SHUTDOWN_DEADLINE)
         if "state" in locals():
+            await state.fleet.shutdown()
             await state.evals.shutdown()
             await state.weight_sync.shutdown(SHUTDOWN_DEADLINE)
         await http.aclose()
@@ -158,7 +163,7 @@ def create_app(settings: SamplerSettings, env: Environment | None = None, strate
             yield {"sampler": state}
 
     app = FastAPI(title="Tandem sampler", version="0.1.0", lifespan=lifespan)
-    for module in (health, batch, weights, evals, status, metrics, dashboard):
+    for module in (health, batch, weights, inference_servers, evals, status, metrics, dashboard):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
     app.add_middleware(HttpMetricsMiddleware)

@@ -46,7 +46,10 @@ class SamplerSettings(TandemSettings):
         default=None, description="external Redis; unset starts an embedded redis-server under run_dir"
     )
     namespace: str = Field(default="default", description="run namespace: prefixes every Redis key")
-    inference_urls: CommaList = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    inference_urls: CommaList = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="the run's initial inference servers; membership then lives in Redis (POST/DELETE /inference_servers)",
+    )
     env: str = Field(default="toy", description="environment name or 'package.module:factory'")
     env_args: Annotated[dict[str, str | int | float | bool], BeforeValidator(_json_if_str)] = Field(
         default_factory=dict, description="keyword arguments for the environment (JSON)"
@@ -106,6 +109,12 @@ class SamplerSettings(TandemSettings):
     generation_deadline: float = Field(
         default=300.0, gt=0,
         description="seconds a batch may be stuck (failing builds, no new-enough server) before GET /batch answers 503 with the cause",
+    )
+    server_check_interval: float = Field(
+        default=2.0, gt=0, description="seconds between checks of each inference server's health and weights label"
+    )
+    server_check_timeout: float = Field(
+        default=10.0, gt=0, description="seconds an inference server has to answer a health check"
     )
     claim_ttl: float = Field(default=10.0, gt=0, description="lease on a step being built; a replica takes over after it lapses")
     drain_deadline: float = Field(default=20.0, ge=0, description="seconds a shutdown waits for batches in flight to seal")

@@ -2,28 +2,48 @@
 
 * At most `max_concurrency` requests are in flight over all servers (one semaphore).
 * Each request goes to the usable server with the fewest outstanding requests, where
-  usable means: it serves a weights version new enough for the batch, and it is not
-  cooling down after failures.
+  usable means: in rotation (state "ok", see `Server`), not in the middle of a weight sync,
+  serving a weights version new enough for the batch, and not cooling down after failures.
 * 5xx answers and transport errors are retried with backoff on the next best server;
   a server that keeps failing cools down and is skipped while others work. When every
   attempt fails, `InferenceUnavailable` names the servers and their last errors.
 * A 4xx answer is our bug or the user's (bad model name, prompt too long) and is not
   retried: `InferenceRequestError` carries the server's message.
+* An answer whose `weight_versions` are older than the version the server was serving when
+  the request was sent means the server lost its weights (it restarted): the answer is
+  dropped, the server is taken out of rotation and reported to `on_suspect` (the fleet
+  checks it at once), and the request is retried elsewhere.
+* Membership changes at run time (`add`, `remove`); the fleet (fleet.py) decides who is in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from services.sampler.notify import wait_event
 from shared.http_client import HttpClient, Reply, TransportError
 
 log = logging.getLogger("tandem.sampler.inference")
+
+T = TypeVar("T")
+
+# A server's place in the rotation. Only "ok" servers get work.
+JOINING = "joining"      # added, not yet known to serve the published weights
+OK = "ok"                # in rotation
+DOWN = "down"            # not answering (or answered with lost weights); checked again soon
+RESYNCING = "resyncing"  # restarted: loading the latest published checkpoint into it
+STALE = "stale"          # restarted, and the sampler cannot load the published weights into it
+MISMATCH = "mismatch"    # after a sync it does not compute what the trainer computes (probe)
+LEAVING = "leaving"      # removed from the run: no new work, requests in flight may finish
+STATES = (JOINING, OK, DOWN, RESYNCING, STALE, MISMATCH, LEAVING)
+
+EVENTS_KEPT = 20
 
 
 class InferenceError(RuntimeError):
@@ -38,10 +58,16 @@ class InferenceUnavailable(InferenceError):
     """Every attempt failed (5xx, transport errors, or no server with the needed version)."""
 
 
+class WentBackwards(InferenceError):
+    """An answer produced by weights older than those the server was known to serve."""
+
+
 @dataclass
 class Server:
     url: str
     version: int | None = None
+    state: str = JOINING
+    reason: str | None = None  # why the server is out of rotation, in words
     outstanding: int = 0
     consecutive_failures: int = 0
     cooldown_until: float = 0.0
@@ -50,25 +76,60 @@ class Server:
     failures: int = 0
     last_sync_seconds: float | None = None
     syncing: bool = False
+    resyncs: int = 0
+    added_at: float = field(default_factory=time.time)
+    # (unix time, what happened): joins, leaves, restarts, re-syncs, for /status and the dashboard.
+    events: collections.deque[tuple[float, str]] = field(default_factory=lambda: collections.deque(maxlen=EVENTS_KEPT))
 
     def usable(self, min_version: int, now: float) -> bool:
         return (
-            not self.syncing
+            self.state == OK
+            and not self.syncing
             and self.version is not None
             and self.version >= min_version
             and now >= self.cooldown_until
         )
 
+    def set_state(self, state: str, reason: str | None = None) -> bool:
+        """Move to `state`; True when that is a change (it is then logged and kept as an event)."""
+        changed = state != self.state or reason != self.reason
+        if state != self.state:
+            self.note(f"{self.state} -> {state}" + (f": {reason}" if reason else ""))
+            (log.info if state == OK else log.warning)("inference server %s: %s -> %s%s", self.url, self.state,
+                                                       state, f" ({reason})" if reason else "")
+        self.state, self.reason = state, reason
+        return changed
+
+    def note(self, event: str) -> None:
+        self.events.append((time.time(), event))
+
+    def describe(self) -> str:
+        text = f"{self.url} ({self.state}, version {self.version}"
+        if self.syncing:
+            text += ", syncing"
+        if self.reason:
+            text += f": {self.reason}"
+        elif self.last_error:
+            text += f", last error: {self.last_error}"
+        return text + ")"
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "version": self.version,
-            "healthy": self.consecutive_failures == 0,
+            "state": self.state,
+            "reason": self.reason,
+            "in_rotation": self.state == OK and not self.syncing,
+            "healthy": self.state == OK and self.consecutive_failures == 0,
+            "syncing": self.syncing,
             "outstanding": self.outstanding,
             "requests": self.requests,
             "failures": self.failures,
             "error": self.last_error,
             "last_sync_seconds": self.last_sync_seconds,
+            "resyncs": self.resyncs,
+            "added_at": self.added_at,
+            "events": [{"at": at, "event": text} for at, text in self.events],
         }
 
 
@@ -76,6 +137,11 @@ class Server:
 class PoolStats:
     retries: int = 0
     errors: int = 0
+    backwards: int = 0  # answers dropped because their server had lost its weights
+
+
+def _as_is(answer: Any, _version: int | None) -> Any:
+    return answer
 
 
 class InferencePool:
@@ -89,7 +155,9 @@ class InferencePool:
         http: HttpClient,
         on_version_change: Callable[[], None] | None = None,
     ):
-        self.servers = [Server(url.rstrip("/")) for url in urls]
+        self._servers: dict[str, Server] = {}
+        for url in urls:
+            self.add(url)
         self.semaphore = asyncio.Semaphore(max_concurrency)
         self.request_timeout = request_timeout
         self.retries = retries
@@ -98,81 +166,155 @@ class InferencePool:
         self.in_flight = 0
         # Set at shutdown: a request finds no usable server -> fail at once, do not wait.
         self.closing = False
-        self._version_changed = asyncio.Event()
-        # Called whenever a server's version changes, so waiters elsewhere re-check.
+        self._changed = asyncio.Event()
+        # Called whenever a server's version or state changes, so waiters elsewhere re-check.
         self.on_version_change = on_version_change
+        # Called with (server, reason) when a server's answers say it lost its weights.
+        self.on_suspect: Callable[[Server, str], None] | None = None
+        # Since when requests have found no usable server (None while they find one).
+        self.blocked_since: float | None = None
+        self.blocked_version: int | None = None
+
+    # --- membership ----------------------------------------------------------------------
+
+    @property
+    def servers(self) -> list[Server]:
+        return list(self._servers.values())
+
+    def find(self, url: str) -> Server | None:
+        return self._servers.get(url.rstrip("/"))
+
+    def add(self, url: str) -> Server:
+        url = url.rstrip("/")
+        server = self._servers.get(url)
+        if server is None:
+            server = self._servers[url] = Server(url)
+        return server
+
+    def remove(self, url: str) -> Server | None:
+        server = self._servers.pop(url.rstrip("/"), None)
+        self.changed()
+        return server
+
+    # --- versions and states ---------------------------------------------------------------
+
+    def in_rotation(self) -> list[Server]:
+        return [s for s in self._servers.values() if s.state == OK]
 
     def min_version(self) -> int | None:
-        versions = [s.version for s in self.servers if s.version is not None]
-        return min(versions) if len(versions) == len(self.servers) else None
+        """The oldest version among servers in rotation (None if one has no known version)."""
+        servers = self.in_rotation()
+        versions = [s.version for s in servers if s.version is not None]
+        return min(versions) if servers and len(versions) == len(servers) else None
 
     def max_version(self) -> int | None:
-        versions = [s.version for s in self.servers if s.version is not None]
+        """The newest version any server in rotation serves."""
+        versions = [s.version for s in self.in_rotation() if s.version is not None]
         return max(versions) if versions else None
 
-    def set_version(self, url: str, version: int | None) -> None:
-        for server in self.servers:
-            if server.url == url.rstrip("/"):
-                server.version = version
-        self._version_changed.set()
-        self._version_changed = asyncio.Event()
+    def changed(self) -> None:
+        """Wake requests waiting for a usable server, and whoever watches versions."""
+        self._changed.set()
+        self._changed = asyncio.Event()
         if self.on_version_change is not None:
             self.on_version_change()
 
+    def set_version(self, url: str, version: int | None) -> None:
+        server = self.find(url)
+        if server is not None:
+            server.version = version
+        self.changed()
+
+    def set_state(self, server: Server, state: str, reason: str | None = None) -> None:
+        if server.set_state(state, reason):
+            self.changed()
+
+    def suspect(self, server: Server, reason: str) -> None:
+        """Out of rotation at once; the fleet finds out what happened to it."""
+        if server.state == OK:
+            self.set_state(server, DOWN, reason)
+        if self.on_suspect is not None:
+            self.on_suspect(server, reason)
+
+    def unavailable_reason(self, min_version: int) -> str | None:
+        """Why no server can take a request that needs `min_version`, or None when one can."""
+        now = time.monotonic()
+        if any(s.usable(min_version, now) or (s.state == OK and s.syncing) for s in self._servers.values()):
+            return None
+        if not self._servers:
+            return "the sampler has no inference servers: add one with POST /inference_servers"
+        return (f"no inference server in rotation serves version >= {min_version}: "
+                + "; ".join(s.describe() for s in self._servers.values()))
+
+    # --- requests --------------------------------------------------------------------------
+
     def _pick(self, min_version: int) -> Server | None:
         now = time.monotonic()
-        usable = [s for s in self.servers if s.usable(min_version, now)]
+        usable = [s for s in self._servers.values() if s.usable(min_version, now)]
         if not usable:
             return None
         return min(usable, key=lambda s: (s.outstanding, s.consecutive_failures))
 
     async def _wait_for_server(self, min_version: int, deadline: float) -> Server:
-        """A usable server, waiting through cooldowns and version syncs until `deadline`."""
+        """A usable server, waiting through cooldowns, syncs and re-syncs until `deadline`."""
         while True:
             server = self._pick(min_version)
             if server is not None:
+                self.blocked_since = None
                 return server
             now = time.monotonic()
+            if self.blocked_since is None:
+                self.blocked_since, self.blocked_version = now, min_version
             if now >= deadline or self.closing:
-                detail = ", ".join(
-                    f"{s.url} (version {s.version}, {'syncing' if s.syncing else s.last_error or 'ok'})"
-                    for s in self.servers
-                )
-                raise InferenceUnavailable(
-                    f"no inference server serves version >= {min_version} and is healthy: {detail}"
-                )
-            cooling = [s.cooldown_until - now for s in self.servers if s.cooldown_until > now]
+                raise InferenceUnavailable(self.unavailable_reason(min_version)
+                                           or f"no inference server serves version >= {min_version}")
+            cooling = [s.cooldown_until - now for s in self._servers.values() if s.cooldown_until > now]
             wait = min(cooling + [deadline - now, 1.0])
-            changed = self._version_changed
-            await wait_event(changed, max(wait, 0.01))
+            await wait_event(self._changed, max(wait, 0.01))
 
-    async def post(self, path: str, body: dict[str, Any], *, min_version: int = 0) -> tuple[dict[str, Any], Server]:
-        """POST to the best server; returns the JSON answer and the server that gave it."""
+    async def post(self, path: str, body: dict[str, Any], *, min_version: int = 0,
+                   parse: Callable[[dict[str, Any], int | None], T] = _as_is) -> tuple[T, Server]:
+        """POST to the best server. `parse(answer, version)` turns the JSON answer into the
+        caller's result (by default the JSON itself); `version` is what the server served when the request was sent (the
+        oldest version that can have produced the answer). `parse` raises `WentBackwards`
+        when the answer shows older weights than that: the server is then suspected and the
+        request retried elsewhere."""
         async with self.semaphore:
             self.in_flight += 1
             try:
-                return await self._post_with_retries(path, body, min_version)
+                return await self._post_with_retries(path, body, min_version, parse)
             finally:
                 self.in_flight -= 1
 
-    async def _post_with_retries(self, path: str, body: dict[str, Any], min_version: int) -> tuple[dict[str, Any], Server]:
+    async def _post_with_retries(self, path: str, body: dict[str, Any], min_version: int,
+                                 parse: Callable[[dict[str, Any], int | None], T]) -> tuple[T, Server]:
         attempts = self.retries + 1
         deadline = time.monotonic() + self.request_timeout
         failures: list[str] = []
         for attempt in range(attempts):
             server = await self._wait_for_server(min_version, deadline)
+            dispatched = server.version
             server.outstanding += 1
             server.requests += 1
+            dropped = False
             try:
                 response = await self.http.post(server.url + path, json=body, timeout=self.request_timeout)
             except TransportError as exc:
                 error = str(exc)
+                dropped = not error.startswith("TimeoutError")
             else:
                 if response.status_code < 400:
+                    try:
+                        result = parse(response.json(), dispatched)
+                    except WentBackwards as exc:
+                        self.stats.backwards += 1
+                        failures.append(f"{server.url}: {exc}")
+                        self.suspect(server, str(exc))
+                        continue
                     server.consecutive_failures = 0
                     server.cooldown_until = 0.0
                     server.last_error = None
-                    return response.json(), server
+                    return result, server
                 if response.status_code < 500:
                     raise InferenceRequestError(
                         f"{server.url}{path} answered {response.status_code}: {response.text[:500]}"
@@ -180,6 +322,8 @@ class InferencePool:
                 error = f"HTTP {response.status_code}: {response.text[:200]}"
             finally:
                 server.outstanding -= 1
+                if server.outstanding == 0 and server.state == LEAVING:
+                    self.changed()  # a DELETE waits for the last request to finish
             server.failures += 1
             server.consecutive_failures += 1
             server.last_error = error
@@ -188,10 +332,23 @@ class InferencePool:
             server.cooldown_until = time.monotonic() + backoff
             self.stats.errors += 1
             failures.append(f"{server.url}: {error}")
+            if dropped and self.on_suspect is not None:
+                # Refused or dropped: the server may be gone; the fleet checks it now.
+                self.on_suspect(server, error)
             if attempt + 1 < attempts:
                 self.stats.retries += 1
                 log.warning("inference request to %s failed (%s); retry %d/%d", server.url, error, attempt + 1, self.retries)
         raise InferenceUnavailable(f"inference request failed after {attempts} attempts: " + "; ".join(failures[-3:]))
+
+    async def wait_idle(self, server: Server, timeout: float) -> bool:
+        """Wait until `server` has no request outstanding, at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while server.outstanding > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await wait_event(self._changed, min(left, 0.5))
+        return True
 
     async def get(self, url: str, path: str, timeout: float = 10.0) -> Reply:
         return await self.http.get(url + path, timeout=timeout)

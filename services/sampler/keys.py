@@ -16,9 +16,14 @@ class Keys:
         self.meta = self.prefix + "meta"
         # Sorted set of sealed steps (score = step), trimmed together with the batches.
         self.sealed = self.prefix + "sealed"
-        # Hash: inference server URL -> JSON {version, healthy, error, ...}.
+        # Hash: inference server URL -> JSON {version, state, error, ...}: what each serves.
         self.servers = self.prefix + "servers"
-        # Pub/sub channel: "sealed:<step>", "version:<v>", "eval:<id>".
+        # Hash: inference server URL -> JSON {added_at, source, removed_at}: which servers the
+        # run uses. Seeded from `inference_urls` once; POST/DELETE /inference_servers change it.
+        # A removed server keeps its entry (removed_at set), so a sampler restarted with the
+        # same `inference_urls` does not bring back a server that was deliberately removed.
+        self.members = self.prefix + "members"
+        # Pub/sub channel: "sealed:<step>", "version:<v>", "eval:<id>", "servers".
         self.events = self.prefix + "events"
         # Stream of per-batch stats for dashboards, capped.
         self.batch_stats = self.prefix + "batch_stats"
@@ -40,6 +45,10 @@ class Keys:
     def claim(self, step: int) -> str:
         """Lease of the sampler replica generating batch `step` (owner id, expires)."""
         return f"{self.prefix}claim:{step}"
+
+    def heal(self, url: str) -> str:
+        """Lease of the sampler replica re-syncing inference server `url` (owner id, expires)."""
+        return f"{self.prefix}heal:{url}"
 
     def eval(self, eval_id: str) -> str:
         """Hash of one eval job: status, request, result, error, timestamps."""

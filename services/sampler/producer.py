@@ -31,7 +31,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared import codec
-from services.sampler.inference_pool import InferencePool
+from services.sampler.inference_pool import OK, InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier, wait_event
 from services.sampler.rollout import batch_stats
@@ -44,6 +44,8 @@ log = logging.getLogger("tandem.sampler.producer")
 # Waits on a change event also look again this often: a wake-up published while the event
 # subscription was down (Redis restarting) would otherwise be waited for forever.
 _RECHECK_SECONDS = 2.0
+# How long the producer's loop waits for its helper task to stop when it ends.
+_STOP_SECONDS = 5.0
 
 
 @dataclass
@@ -88,12 +90,14 @@ class Producer:
         self.on_sealed: list[Callable[[dict[str, Any]], Awaitable[None] | None]] = []
 
     async def sync_versions(self) -> None:
-        """Load per-server versions from Redis (another process may have synced them)."""
+        """Load per-server versions from Redis (another replica may have synced them). Only
+        servers in rotation: one this process took out (restarted, stale) is the fleet's to
+        bring back, whatever an older record says."""
         for url, info in (await self.store.servers()).items():
-            if info.get("version") is not None:
-                for server in self.pool.servers:
-                    if server.url == url and (server.version is None or info["version"] > server.version):
-                        self.pool.set_version(url, int(info["version"]))
+            server = self.pool.find(url)
+            if (server is not None and server.state == OK and info.get("version") is not None
+                    and (server.version is None or info["version"] > server.version)):
+                self.pool.set_version(url, int(info["version"]))
 
     async def _wait_until_servable(self, required: int) -> None:
         while True:
@@ -133,8 +137,12 @@ class Producer:
                 step += 1
                 self.next_step = step
         finally:
+            # A crash of this loop (Redis gone) must reach the supervisor, which restarts it:
+            # wait for the watcher's end, but never without bound.
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            done, _ = await asyncio.wait([watcher], timeout=_STOP_SECONDS)
+            if not done:
+                log.error("the claim watcher did not stop within %.0fs of its cancellation; leaving it", _STOP_SECONDS)
 
     async def _floor(self) -> int:
         """The first step the run may still need: not trimmed, not yet trained on."""
@@ -195,11 +203,17 @@ class Producer:
         """Why batch `step` has made no progress for over `deadline` seconds, if it has not."""
         now = time.monotonic()
         if self.waiting is not None and now - self.waiting[1] > deadline and step >= self.next_step:
-            servers = ", ".join(f"{s.url} (version {s.version}, {s.last_error or 'ok'})" for s in self.pool.servers)
-            return (f"no inference server has served version >= {self.waiting[0]} for "
-                    f"{now - self.waiting[1]:.0f}s: {servers}")
+            why = self.pool.unavailable_reason(self.waiting[0]) or "; ".join(s.describe() for s in self.pool.servers)
+            return f"batch {step} cannot start: for {now - self.waiting[1]:.0f}s {why}"
         progress = self.in_progress.get(step)
-        if progress is not None and progress.error and time.time() - progress.started_at > deadline:
+        if progress is None:
+            return None
+        blocked = self.pool.blocked_since
+        if blocked is not None and now - blocked > deadline:
+            why = self.pool.unavailable_reason(progress.min_version)
+            if why:
+                return f"batch {step} has waited {now - blocked:.0f}s for an inference server: {why}"
+        if progress.error and time.time() - progress.started_at > deadline:
             return (f"batch {step} has failed to build for {time.time() - progress.started_at:.0f}s "
                     f"({progress.attempts} attempts); last error: {progress.error}")
         return None

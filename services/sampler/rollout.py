@@ -18,7 +18,7 @@ import numpy as np
 
 from services.sampler.advantages import group_advantages
 from services.sampler.envs.base import Completion, Environment, Example, gather_now
-from services.sampler.inference_pool import InferencePool, InferenceRequestError
+from services.sampler.inference_pool import InferencePool, InferenceRequestError, WentBackwards
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -105,18 +105,26 @@ def _label_version(label: Any) -> int | None:
 _LABELS: dict[str, int | None] = {}
 
 
-def _versions(spans: list[dict[str, Any]] | None) -> list[int]:
-    """The distinct integer versions of `weight_versions` spans, ascending."""
-    if not spans:
-        return []
+def _versions(spans: list[dict[str, Any]]) -> list[int] | None:
+    """The distinct versions of `weight_versions` spans, ascending; None when a span's label
+    is not an integer version (vLLM's "default": a server nobody has labelled since it started)."""
     if len(spans) == 1:
         version = _label_version(spans[0].get("version", ""))
-        return [] if version is None else [version]
-    return sorted({v for span in spans if (v := _label_version(span.get("version", ""))) is not None})
+        return None if version is None else [version]
+    versions = {_label_version(span.get("version", "")) for span in spans}
+    return None if None in versions else sorted(versions)  # type: ignore[type-var]
 
 
 def parse_completions(body: dict[str, Any], served_version: int | None) -> list[Completion]:
-    """vLLM /v1/completions JSON -> Completions (needs return_token_ids and logprobs)."""
+    """vLLM /v1/completions JSON -> Completions (needs return_token_ids and logprobs).
+
+    `served_version` is the version the server served when the request was sent: the oldest
+    that can have produced a token. Where the answer has `weight_versions` spans (vLLM >= 0.33
+    with return_weight_versions) those say which versions produced the tokens; where it has
+    none (vLLM 0.32), every token is stamped with `served_version`, never with a version the
+    server reached later (a request paused with `keep` across a weight update finishes on
+    newer weights, but its first tokens came from the older ones). Spans older than
+    `served_version`, or unlabelled, mean the server lost its weights: `WentBackwards`."""
     out = []
     for choice in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
         token_ids = choice.get("token_ids")
@@ -131,9 +139,18 @@ def parse_completions(body: dict[str, Any], served_version: int | None) -> list[
                 f"inference answer has {0 if logprobs is None else len(logprobs)} logprobs "
                 f"for {len(token_ids)} tokens: the server must honour logprobs=0"
             )
-        versions = _versions(choice.get("weight_versions"))
-        if not versions and served_version is not None:
-            versions = [served_version]
+        spans = choice.get("weight_versions")
+        if spans:
+            versions = _versions(spans)
+            if served_version is not None and (versions is None or versions[0] < served_version):
+                labels = sorted({str(span.get("version")) for span in spans})
+                raise WentBackwards(
+                    f"answered with weights labelled {', '.join(labels)} although it served version "
+                    f"{served_version} when the request was sent: it restarted or lost its weights"
+                )
+            versions = versions or []
+        else:
+            versions = [served_version] if served_version is not None else []
         try:
             floats = list(map(float, logprobs))
         except TypeError:  # a null logprob among them: read as 0.0
@@ -208,8 +225,8 @@ class Rollouts:
             "return_token_ids": True,
             "return_weight_versions": True,
         }
-        answer, server = await self.pool.post("/v1/completions", body, min_version=min_version)
-        completions = parse_completions(answer, server.version)
+        completions, _ = await self.pool.post("/v1/completions", body, min_version=min_version,
+                                              parse=parse_completions)
         self.completions_done += len(completions)
         self.tokens_done += sum(len(c.token_ids) for c in completions)
         return completions

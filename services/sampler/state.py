@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.evals import Evals
+from services.sampler.fleet import Fleet
 from services.sampler.inference_pool import InferencePool
 from services.sampler.notify import Notifier
 from services.sampler.producer import Producer
@@ -39,6 +40,7 @@ class SamplerState:
     strategy: Strategy
     producer: Producer
     weight_sync: WeightSync
+    fleet: Fleet
     evals: Evals
     rollouts_for: Callable[[str | None], Rollouts]
     source: FreshGroups

@@ -70,6 +70,17 @@ if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then return 1 end
 return 0
 """
 
+# KEYS: members. ARGV: url, removed record (JSON), channel. 1 = removed now, 0 = not a member.
+_REMOVE_MEMBER = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local removed = cjson.decode(raw)['removed_at']
+if removed ~= nil and removed ~= cjson.null then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PUBLISH', ARGV[3], 'servers')
+return 1
+"""
+
 # KEYS: claim. ARGV: owner, ttl_ms. Extends the lease only if we still hold it.
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -104,6 +115,7 @@ class Store:
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._remove_member = client.register_script(_REMOVE_MEMBER)
 
     # --- batches -------------------------------------------------------------------
 
@@ -219,9 +231,47 @@ class Store:
     async def set_server(self, url: str, info: dict[str, Any]) -> None:
         await self.r.hset(self.keys.servers, url, json.dumps(info))
 
+    async def forget_server(self, url: str) -> None:
+        await self.r.hdel(self.keys.servers, url)
+
     async def servers(self) -> dict[str, dict[str, Any]]:
         raw = await self.r.hgetall(self.keys.servers)
         return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    # --- membership: which inference servers the run uses -------------------------------
+
+    async def seed_members(self, urls: list[str]) -> None:
+        """Add `urls` unless the run already knows them (a removed one stays removed)."""
+        record = json.dumps({"added_at": time.time(), "source": "inference_urls", "removed_at": None})
+        async with self.r.pipeline(transaction=True) as pipe:
+            for url in urls:
+                pipe.hsetnx(self.keys.members, url, record)
+            await pipe.execute()
+
+    async def members(self) -> dict[str, dict[str, Any]]:
+        """Every server the run has known: url -> {added_at, source, removed_at}."""
+        raw = await self.r.hgetall(self.keys.members)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    async def add_member(self, url: str) -> None:
+        record = json.dumps({"added_at": time.time(), "source": "api", "removed_at": None})
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.members, url, record)
+            pipe.publish(self.keys.events, "servers")
+            await pipe.execute()
+
+    async def remove_member(self, url: str) -> bool:
+        """Mark `url` removed; False when it was not a member."""
+        record = json.dumps({"removed_at": time.time(), "source": "api"})
+        return bool(await self._remove_member(keys=[self.keys.members], args=[url, record, self.keys.events]))
+
+    # --- re-sync leases: one replica re-syncs a given server at a time -----------------
+
+    async def take_heal_lease(self, url: str, owner: str, ttl_ms: int) -> bool:
+        return bool(await self.r.set(self.keys.heal(url), owner, nx=True, px=ttl_ms))
+
+    async def release_heal_lease(self, url: str, owner: str) -> None:
+        await self._release(keys=[self.keys.heal(url)], args=[owner])
 
     # --- stats and events --------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.sampler.inference_pool import InferencePool, Server
+from services.sampler.inference_pool import OK, RESYNCING, STALE, InferencePool, Server
 from services.sampler.store import Store
 from shared.http_client import Reply, TransportError
 
@@ -40,6 +40,7 @@ class SyncResult:
     seconds: float
     error: str | None = None
     client_error: bool = False  # the server refused the checkpoint (4xx): our caller's input is bad
+    unreachable: bool = False  # no HTTP answer at some step: the server is down (or died mid-sync)
 
 
 def parse_version_label(body: Any) -> int | None:
@@ -166,17 +167,24 @@ class WeightSync:
         if error is None and resumed:
             server.last_sync_seconds = seconds
             server.last_error = None
+            server.note(f"synced to version {version} in {seconds:.2f}s")
             self.pool.set_version(server.url, version)
-            await self._record(server)
+            if server.state in (RESYNCING, STALE):
+                self.pool.set_state(server, OK)  # it serves the published weights again
+            await self.record(server)
             log.info("server %s now serves version %d (sync %.2fs)", server.url, version, seconds)
             return self._report(SyncResult(server.url, True, version, seconds))
         message = str(error) if error else "resume failed"
         server.last_error = f"weight sync to version {version} failed at {message}"
-        await self._record(server)
+        server.note(server.last_error)
+        await self.record(server)
         log.error("weight sync of %s failed: %s (paused=%s)", server.url, message, paused)
         client_error = bool(error and error.status is not None and 400 <= error.status < 500
                             and error.step == "reload_weights")
-        return self._report(SyncResult(server.url, False, server.version, seconds, message, client_error))
+        unreachable = error is not None and error.status is None
+        if unreachable:
+            self.pool.suspect(server, message)  # out of rotation; the fleet re-syncs it once it answers
+        return self._report(SyncResult(server.url, False, server.version, seconds, message, client_error, unreachable))
 
     def _report(self, result: SyncResult) -> SyncResult:
         for hook in self.on_synced:
@@ -190,69 +198,33 @@ class WeightSync:
         targets = servers if servers is not None else self.pool.servers
         return list(await asyncio.gather(*(self.sync_server(s, version, checkpoint_path) for s in targets)))
 
+    async def relabel(self, server: Server, version: int) -> None:
+        await self._call(server, "update_weight_version", "POST", "/update_weight_version",
+                         json={"new_version": str(version)})
+
     async def record_pushed(self, version: int) -> None:
-        """The trainer pushed weights itself: every server now serves `version`.
+        """The trainer pushed weights itself: every server in rotation now serves `version`.
 
         The servers' version labels are updated too (best effort), so that the
-        `weight_versions` spans of new tokens name the version that produced them.
+        `weight_versions` spans of new tokens name the version that produced them. Servers
+        out of rotation (down, stale, ...) did not get the weights as far as we know: the
+        fleet finds them behind when they are checked, and says so.
         """
 
         async def relabel(server: Server) -> None:
             try:
-                await self._call(server, "update_weight_version", "POST", "/update_weight_version",
-                                 json={"new_version": str(version)})
+                await self.relabel(server, version)
             except SyncStepError as exc:
                 log.warning("could not relabel %s as version %d: %s", server.url, version, exc)
             self.pool.set_version(server.url, version)
-            await self._record(server)
+            await self.record(server)
 
-        await asyncio.gather(*(relabel(s) for s in self.pool.servers))
+        await asyncio.gather(*(relabel(s) for s in self.pool.servers if s.state == OK))
 
-    async def _record(self, server: Server) -> None:
+    async def record(self, server: Server) -> None:
+        """What a server serves, as Redis keeps it for other replicas and restarts."""
         await self.store.set_server(server.url, {
-            "version": server.version, "error": server.last_error,
-            "last_sync_seconds": server.last_sync_seconds, "updated_at": time.time(),
+            "version": server.version, "state": server.state, "reason": server.reason,
+            "error": server.last_error, "last_sync_seconds": server.last_sync_seconds,
+            "updated_at": time.time(),
         })
-
-    async def discover(self, server: Server, published: int, checkpoint_path: str | None) -> None:
-        """Learn what a server serves at start-up; bring it up to the published version if we can."""
-        delay = 0.2
-        while True:
-            try:
-                response = await self.pool.http.get(server.url + "/weight_info", timeout=10)
-                if response.status_code == 200:
-                    label = parse_version_label(response.json())
-                    break
-                if response.status_code == 404:
-                    label = None  # a server without dev-mode endpoints: trust the published version
-                    break
-                server.last_error = f"/weight_info answered {response.status_code}"
-            except (TransportError, ValueError) as exc:
-                server.last_error = f"unreachable: {exc}"
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        server.last_error = None
-        if label is None:
-            label = published if (published == 0 or checkpoint_path is None) else None
-        if label is not None and label > published:
-            # A label from another run (or a reused server): this run's numbering is the
-            # authority, and a sample must never claim a version newer than its step.
-            log.warning("server %s is labelled version %d, above this run's published %d; relabelling",
-                        server.url, label, published)
-            try:
-                await self._call(server, "update_weight_version", "POST", "/update_weight_version",
-                                 json={"new_version": str(published)})
-            except SyncStepError as exc:
-                log.warning("relabelling %s failed: %s", server.url, exc)
-            label = published
-        if label is not None and label >= published:
-            self.pool.set_version(server.url, label)
-            await self._record(server)
-            return
-        if checkpoint_path:
-            log.info("server %s serves %s, published is %d: loading %s", server.url, label, published, checkpoint_path)
-            async with self.lock:
-                await self.sync_server(server, published, checkpoint_path)
-        else:
-            self.pool.set_version(server.url, label)
-            await self._record(server)

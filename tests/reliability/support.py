@@ -8,11 +8,13 @@ embedded redis-servers by the pid in `run_dir/redis/server.json`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,9 +123,11 @@ def start_redis_at(data_dir: Path, port: int | None = None, cleanup: Cleanup | N
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def start_standin_process(log_dir: Path, cleanup: Cleanup, token_latency: float = 0.0) -> ServiceProcess:
-    """The inference stand-in as its own process, so that it can be killed -9."""
-    port = free_port()
+def start_standin_process(log_dir: Path, cleanup: Cleanup, token_latency: float = 0.0,
+                          port: int | None = None) -> ServiceProcess:
+    """The inference stand-in as its own process, so that it can be killed -9 (and started
+    again on the same `port`: a fresh process, labelled version "0", as a restarted server is)."""
+    port = port or free_port()
     proc = ServiceProcess(
         [sys.executable, "-m", "services.inference.standin", "--port", str(port),
          "--token-latency", str(token_latency)],
@@ -161,3 +165,50 @@ def redis_keys(redis_url: str, namespace: str) -> dict[str, Any]:
         return {"batches": batches, "sealed": sealed, "claims": claims, "meta": meta}
     finally:
         client.close()
+
+
+class Trainer(threading.Thread):
+    """A trainer's loop on `SamplerClient` (its own event loop): batch N, 'train', publish N+1,
+    with a checkpoint path when `checkpoints` (the stand-in accepts any path)."""
+
+    def __init__(self, url: str, steps: int, train_seconds: float = 0.4, checkpoints: bool = False,
+                 retry_for: float = 60.0, first_step: int = 0):
+        super().__init__(daemon=True)
+        self.url, self.steps, self.train_seconds = url, steps, train_seconds
+        self.checkpoints, self.retry_for, self.first_step = checkpoints, retry_for, first_step
+        self.batches: list[dict[str, Any]] = []
+        self.published: list[int] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._loop())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    async def _loop(self) -> None:
+        from shared.client import SamplerClient
+
+        async with SamplerClient(self.url, poll_timeout=5, retry_for=self.retry_for) as client:
+            for step in range(self.first_step, self.first_step + self.steps):
+                self.batches.append(await client.get_batch_raw(step, timeout=90))
+                await asyncio.sleep(self.train_seconds)
+                await client.publish_weights(step + 1, f"/ckpt/step-{step + 1}" if self.checkpoints else None)
+                self.published.append(step + 1)
+
+
+def check_batches(trainer: Trainer, max_staleness: int = 1) -> None:
+    """Every step came once, no group twice, and every sample within the staleness bound."""
+    steps = [b["step"] for b in trainer.batches]
+    assert steps == list(range(trainer.first_step, trainer.first_step + trainer.steps)), steps
+    steps_of_group: dict[str, set[int]] = {}
+    for batch in trainer.batches:
+        for sample in batch["samples"]:
+            steps_of_group.setdefault(sample["group_id"], set()).add(batch["step"])
+    assert all(len(s) == 1 for s in steps_of_group.values()), "a group was served in two batches"
+    samples = [s for b in trainer.batches for s in b["samples"]]
+    assert len(samples) == len({(s["group_id"], s.get("sample_index")) for s in samples}), "a sample came twice"
+    for batch in trainer.batches:
+        for sample in batch["samples"]:
+            assert batch["step"] - max_staleness <= sample["policy_version"] <= batch["step"], (
+                batch["step"], sample["policy_version"])

@@ -11,7 +11,6 @@ afterwards, and every acknowledged version must still be published.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,9 @@ import httpx
 import pytest
 
 from shared import codec
-from shared.client import SamplerClient
 from tests.reliability.support import (
     Cleanup,
+    Trainer,
     batch_bytes,
     embedded_redis,
     kill_embedded_redis,
@@ -35,31 +34,6 @@ from tests.support.servers import start_sampler_process, start_standin
 
 STEPS = 10
 CRASH_AFTER = 3
-
-
-class Trainer(threading.Thread):
-    """A trainer's loop on `SamplerClient` (its own event loop): batch N, 'train', publish N+1."""
-
-    def __init__(self, url: str, steps: int, train_seconds: float = 0.4):
-        super().__init__(daemon=True)
-        self.url, self.steps, self.train_seconds = url, steps, train_seconds
-        self.batches: list[dict[str, Any]] = []
-        self.published: list[int] = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            asyncio.run(self._loop())
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-
-    async def _loop(self) -> None:
-        async with SamplerClient(self.url, poll_timeout=5, retry_for=60) as client:
-            for step in range(self.steps):
-                self.batches.append(await client.get_batch_raw(step, timeout=90))
-                await asyncio.sleep(self.train_seconds)
-                await client.publish_weights(step + 1)
-                self.published.append(step + 1)
 
 
 def _check_nothing_lost(url: str, trainer: Trainer, acked_before: int, batches_before: dict[int, bytes]) -> None:
@@ -80,7 +54,9 @@ def _check_nothing_lost(url: str, trainer: Trainer, acked_before: int, batches_b
     assert published == STEPS
 
 
-def _drill(url: str, crash: Any, restart: Any) -> None:
+def _drill(url: str, crash: Any, restart: Any, outage: float = 1.5) -> float:
+    """Kill, wait `outage` seconds, restart; returns the seconds from the restart to the
+    trainer's last step."""
     trainer = Trainer(url, STEPS)
     trainer.start()
     wait_for(lambda: len(trainer.published) >= CRASH_AFTER or trainer.error or not trainer.is_alive(), 60,
@@ -89,9 +65,10 @@ def _drill(url: str, crash: Any, restart: Any) -> None:
     acked_before = trainer.published[-1]
     batches_before = {b["step"]: batch_bytes(url, b["step"]) for b in trainer.batches}
     crash()
-    time.sleep(1.5)  # the trainer's requests now fail (503 or transport errors) and are retried
+    time.sleep(outage)  # the trainer's requests now fail (503 or transport errors) and are retried
     assert trainer.is_alive(), f"the trainer stopped during the outage: {trainer.error!r}"
     restart()
+    restarted = time.monotonic()
     left = STEPS - len(trainer.published)
     assert left > 0, "the trainer finished during the outage: the drill tested nothing"
     trainer.join(90)
@@ -99,11 +76,19 @@ def _drill(url: str, crash: Any, restart: Any) -> None:
         status = httpx.get(f"{url}/status", timeout=30).json()
         raise AssertionError(f"the trainer did not finish within 90s of Redis coming back: {len(trainer.batches)} "
                              f"batches; sampler steps: {status['steps']}; versions: {status['versions']}")
+    recovered = time.monotonic() - restarted
     _check_nothing_lost(url, trainer, acked_before, batches_before)
+    return recovered
 
 
 @pytest.mark.slow
 def test_external_redis_kill9_and_restart_on_the_same_port(tmp_path: Path, cleanup: Cleanup) -> None:
+    external_redis_drill(tmp_path, cleanup)
+
+
+def external_redis_drill(tmp_path: Path, cleanup: Cleanup, outage: float = 1.5) -> float:
+    """The drill with an external Redis (AOF) killed -9 and restarted on its port after
+    `outage` seconds; returns the seconds the trainer took to finish after the restart."""
     standin = start_standin(token_latency=0.002)
     cleanup.add(standin.stop)
     data = tmp_path / "redis"
@@ -117,14 +102,21 @@ def test_external_redis_kill9_and_restart_on_the_same_port(tmp_path: Path, clean
     def restart() -> None:
         start_redis_at(data, port=port, cleanup=cleanup)
 
-    _drill(sampler.url, redis_proc.kill, restart)
+    recovered = _drill(sampler.url, redis_proc.kill, restart, outage)
     status = httpx.get(f"{sampler.url}/status", timeout=30).json()
     assert status["steps"]["sealed_steps"][:STEPS] == list(range(STEPS))
     assert sampler.popen.poll() is None
+    return recovered
 
 
 @pytest.mark.slow
 def test_embedded_redis_kill9_is_restarted_by_the_watchdog(tmp_path: Path, cleanup: Cleanup) -> None:
+    embedded_redis_drill(tmp_path, cleanup)
+
+
+def embedded_redis_drill(tmp_path: Path, cleanup: Cleanup) -> float:
+    """The drill with the sampler's embedded Redis killed -9 (its watchdog restarts it, within
+    a second or two: the outage is the watchdog's, not the drill's)."""
     standin = start_standin(token_latency=0.002)
     cleanup.add(standin.stop)
     run_dir = tmp_path / "sampler"
@@ -143,8 +135,9 @@ def test_embedded_redis_kill9_is_restarted_by_the_watchdog(tmp_path: Path, clean
                         "the watchdog to restart the embedded Redis", detail=sampler.log_tail)
         assert info["port"] == first["port"]
 
-    _drill(sampler.url, crash, restarted)
+    recovered = _drill(sampler.url, crash, restarted)
     assert sampler.popen.poll() is None
+    return recovered
 
 
 def test_a_long_poll_whose_client_disconnects_loses_nothing(tmp_path: Path, cleanup: Cleanup) -> None:

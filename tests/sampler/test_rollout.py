@@ -8,9 +8,11 @@ import httpx
 import pytest
 
 from services.sampler.inference_pool import (
+    OK,
     InferencePool,
     InferenceRequestError,
     InferenceUnavailable,
+    WentBackwards,
 )
 from services.sampler.rollout import DatasetOrder, parse_completions
 from shared.http_client import HttpClient
@@ -37,9 +39,24 @@ def test_parse_completions_takes_the_oldest_weight_version():
          "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "stop",
          "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]},
     ]}
-    first, second = parse_completions(body, served_version=3)
+    # Sent while the server served version 2 (the first choice was paused across the update to 3).
+    first, second = parse_completions(body, served_version=2)
     assert first.text == "ab" and first.versions == [2, 3] and first.finish_reason == "stop"
     assert second.versions == [3] and second.finish_reason == "length"
+
+
+def test_spans_older_than_the_version_served_at_dispatch_mean_lost_weights():
+    choice = {"index": 0, "text": "a", "token_ids": [4], "prompt_token_ids": [1],
+              "logprobs": {"token_logprobs": [-0.1]}, "finish_reason": "stop"}
+    restarted = {"choices": [{**choice, "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}
+    with pytest.raises(WentBackwards, match="labelled 0 although it served version 8"):
+        parse_completions(restarted, served_version=8)
+    assert parse_completions(restarted, served_version=0)[0].versions == [0]
+    unlabelled = {"choices": [{**choice, "weight_versions": [{"version": "default", "start": 0, "end": 1}]}]}
+    with pytest.raises(WentBackwards, match="labelled default"):
+        parse_completions(unlabelled, served_version=0)
+    # Without spans (vLLM 0.32) every token is stamped with the version served at dispatch.
+    assert parse_completions({"choices": [choice]}, served_version=5)[0].versions == [5]
 
 
 def test_parse_completions_refuses_missing_token_ids_or_logprobs():
@@ -60,8 +77,9 @@ def two_standins():
 async def _pool(urls, **kw) -> InferencePool:
     pool = InferencePool(urls, max_concurrency=kw.get("max_concurrency", 8), request_timeout=kw.get("timeout", 30),
                          retries=kw.get("retries", 3), http=HttpClient(max_connections=16, timeout=30))
-    for url in urls:
-        pool.set_version(url, 0)
+    for server in pool.servers:
+        pool.set_version(server.url, 0)
+        pool.set_state(server, OK)
     return pool
 
 

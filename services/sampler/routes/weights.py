@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, status
 
 from services.sampler.deps import Authorized, State
+from services.sampler.inference_pool import DOWN, JOINING, LEAVING
 from services.sampler.state import SamplerState
 from shared.wire import ServerVersion, WeightsVersion, WeightsVersionRequest
 
@@ -33,8 +34,8 @@ async def get_weights_version(state: State) -> WeightsVersion:
     response_model=WeightsVersion,
     dependencies=[Authorized],
     responses={409: {"description": "lower than the published version"},
-               422: {"description": "the inference servers could not load the checkpoint"},
-               502: {"description": "no inference server could be synced"}},
+               422: {"description": "the inference servers refused the checkpoint"},
+               502: {"description": "the inference servers that answered failed to load the checkpoint"}},
 )
 async def post_weights_version(body: WeightsVersionRequest, state: State) -> WeightsVersion:
     sync = state.weight_sync
@@ -47,12 +48,18 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
                 "versions only move forward",
             )
         if body.checkpoint_path:
-            behind = [s for s in state.pool.servers if s.version is None or s.version < body.version]
+            # Servers out of rotation for a reason the fleet handles (down, joining, leaving)
+            # are brought to the published version by the fleet once they can be.
+            behind = [s for s in state.pool.servers if s.state not in (DOWN, JOINING, LEAVING)
+                      and (s.version is None or s.version < body.version)]
             results = await sync.sync_all(body.version, body.checkpoint_path, behind)
-            failed = [r for r in results if not r.ok]
-            if failed and len(failed) == len(results):
-                errors = "; ".join(f"{r.url}: {r.error}" for r in failed)
-                code = status.HTTP_422_UNPROCESSABLE_CONTENT if all(r.client_error for r in failed) \
+            refused = [r for r in results if not r.ok and not r.unreachable]
+            if refused and not any(r.ok for r in results):
+                # Servers answered, and none could load it: the checkpoint (or the servers) is
+                # broken, and publishing it would stall generation. Servers that did not answer
+                # at all do not block a publication: they are re-synced when they are back.
+                errors = "; ".join(f"{r.url}: {r.error}" for r in refused)
+                code = status.HTTP_422_UNPROCESSABLE_CONTENT if all(r.client_error for r in refused) \
                     else status.HTTP_502_BAD_GATEWAY
                 raise HTTPException(code, detail=f"no inference server loaded {body.checkpoint_path!r}: {errors}")
         elif body.version > published:

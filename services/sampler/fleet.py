@@ -1,0 +1,366 @@
+"""Which inference servers the run uses, and whether each can be trusted with work.
+
+Membership lives in Redis (`Keys.members`): `inference_urls` seeds it the first time a run
+starts, `POST /inference_servers` adds a server and `DELETE /inference_servers` removes one,
+so a restarted sampler, or a second replica, uses the same set. Every replica follows
+changes announced on the events channel.
+
+Each server has a state (inference_pool.py): only "ok" servers get work. A monitor asks
+every server `GET /weight_info` every `server_check_interval` seconds, and at once when a
+request to it was refused or dropped or its answers showed older weights than it was
+synced to. What the label says decides:
+
+* the expected version: nothing to do (a server that was "down" goes back into rotation);
+* a newer version, up to the published one: another replica synced it; adopt the label;
+* an older version, or no version at all (vLLM's "default" after a restart): the server
+  restarted and lost its weights. It stays out of rotation while the latest published
+  checkpoint is loaded into it with the usual sync (pause, reload, label, reset cache,
+  resume), then goes back. When the latest version has no `checkpoint_path` (the trainer
+  pushed the weights itself), the sampler cannot do that: the server is "stale", and
+  /status, the dashboard and, after `generation_deadline`, `GET /batch`'s 503 say why.
+* no answer: "down" until it answers again.
+
+One replica re-syncs a given server at a time (a Redis lease); the others adopt its label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from services.sampler.inference_pool import (
+    DOWN, JOINING, LEAVING, MISMATCH, OK, RESYNCING, STALE, InferencePool, Server,
+)
+from services.sampler.notify import Notifier, wait_event
+from services.sampler.store import Store
+from services.sampler.weight_sync import SyncStepError, WeightSync, parse_version_label
+from shared.http_client import TransportError
+
+log = logging.getLogger("tandem.sampler.fleet")
+
+HEAL_LEASE_MS = 120_000
+MAX_HEAL_BACKOFF = 60.0
+
+
+class JoinRefused(Exception):
+    """POST /inference_servers could not bring the server to the published version."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(message)
+
+
+class Label:
+    """What GET /weight_info said: reachable or not, and the version label if it has one."""
+
+    def __init__(self, reachable: bool, version: int | None = None, raw: Any = None,
+                 supported: bool = True, error: str | None = None):
+        self.reachable, self.version, self.raw, self.supported, self.error = reachable, version, raw, supported, error
+
+    def describe(self) -> str:
+        return f"version {self.version}" if self.version is not None else f"label {self.raw!r}"
+
+
+class Fleet:
+    def __init__(self, pool: InferencePool, store: Store, sync: WeightSync, notifier: Notifier, *,
+                 initial_urls: list[str], owner: str, check_interval: float = 2.0,
+                 check_timeout: float = 10.0):
+        self.pool = pool
+        self.store = store
+        self.sync = sync
+        self.notifier = notifier
+        self.initial_urls = [u.rstrip("/") for u in initial_urls]
+        self.owner = owner
+        self.check_interval = check_interval
+        self.check_timeout = check_timeout
+        self._next_check: dict[str, float] = {}
+        self._heal_backoff: dict[str, float] = {}
+        self._suspects: set[str] = set()
+        self._joining: set[str] = set()  # urls a POST /inference_servers of ours is bringing up
+        self._work: dict[str, asyncio.Task] = {}  # url -> its re-sync or leave in progress
+        pool.on_suspect = self.suspect
+
+    # --- membership ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Seed membership from `inference_urls` (first start of a run only) and load it."""
+        await self.store.seed_members(self.initial_urls)
+        members = await self.store.members()
+        removed = [u for u in self.initial_urls if (members.get(u) or {}).get("removed_at")]
+        for url in removed:
+            log.warning("%s is in inference_urls but was removed from this run (DELETE /inference_servers); "
+                        "POST /inference_servers to add it back", url)
+        await self._refresh(members)
+
+    async def _refresh(self, members: dict[str, dict[str, Any]] | None = None) -> None:
+        """Follow the membership in Redis: servers another replica added or removed."""
+        if members is None:
+            members = await self.store.members()
+        active = {url for url, m in members.items() if not m.get("removed_at")}
+        for url in sorted(active):
+            if self.pool.find(url) is None:
+                server = self.pool.add(url)
+                server.note("member of the run")
+                self._next_check[url] = 0.0
+        for server in self.pool.servers:
+            if server.url not in active and server.url not in self._joining and server.state != LEAVING:
+                self._start_work(server, self._drop(server, "removed from the run", self.check_timeout))
+
+    async def join(self, url: str) -> Server:
+        """Bring a new server to the published version, then put it into the run and rotation."""
+        url = url.rstrip("/")
+        existing = self.pool.find(url)
+        if existing is not None and existing.state != LEAVING and url not in self._joining:
+            return existing  # already a member: adding it again changes nothing
+        if url in self._joining:
+            raise JoinRefused(409, f"{url} is already being added; wait for that request to finish")
+        if existing is not None:
+            raise JoinRefused(409, f"{url} is still leaving the run; add it again once it has left")
+        self._joining.add(url)
+        server = self.pool.add(url)
+        server.note("joining (POST /inference_servers)")
+        try:
+            label = await self._read_label(server)
+            if not label.reachable:
+                raise JoinRefused(422, f"{url} does not answer GET /weight_info: {label.error}")
+            async with self.sync.lock:
+                meta = await self.store.meta()
+                await self._bring_to(server, label, meta["version"], meta["checkpoint_path"])
+            await self.store.add_member(url)
+            server.note(f"joined at version {server.version}")
+            self.pool.set_state(server, OK)
+            await self.sync.record(server)
+            log.info("inference server %s joined the run at version %s", url, server.version)
+            return server
+        except BaseException:
+            if self.pool.find(url) is server:
+                self.pool.remove(url)
+            raise
+        finally:
+            self._joining.discard(url)
+
+    async def _bring_to(self, server: Server, label: Label, published: int, checkpoint: str | None) -> None:
+        """Make a joining server serve `published`, or refuse it with the reason."""
+        if label.version == published or (not label.supported and checkpoint is None):
+            server.version = published
+            return
+        if label.version is None and published == 0 and checkpoint is None:
+            await self._relabel(server, 0)  # a fresh server's base weights are version 0
+            server.version = 0
+            return
+        if checkpoint is None:
+            raise JoinRefused(409, (
+                f"{server.url} serves {label.describe()}, but version {published} was published without a "
+                "checkpoint_path (the trainer pushed the weights itself), so the sampler cannot load it: "
+                f"load version {published}'s weights into the server, label it (POST {server.url}"
+                f"/update_weight_version {{\"new_version\": \"{published}\"}}) and add it again"))
+        result = await self.sync.sync_server(server, published, checkpoint)
+        if not result.ok:
+            raise JoinRefused(422, f"{server.url} could not load version {published} from {checkpoint!r}: {result.error}")
+
+    async def leave(self, url: str, timeout: float) -> dict[str, Any]:
+        """Remove a server from the run. Nothing new goes to it; requests in flight finish
+        (or, if it dies, are retried on other servers). Waits up to `timeout` seconds for them."""
+        url = url.rstrip("/")
+        removed = await self.store.remove_member(url)
+        server = self.pool.find(url)
+        if server is None:
+            return {"url": url, "removed": removed, "outstanding": 0, "drained": True}
+        running = self._work.get(url)
+        if running is not None and not running.done():
+            running.cancel()  # a re-sync of a server that is leaving is pointless
+            await asyncio.gather(running, return_exceptions=True)
+        work = self._start_work(server, self._drop(server, "removed by DELETE /inference_servers", timeout))
+        outstanding = await asyncio.shield(work)
+        return {"url": url, "removed": True, "outstanding": outstanding, "drained": outstanding == 0}
+
+    async def _drop(self, server: Server, why: str, timeout: float) -> int:
+        self.pool.set_state(server, LEAVING, why)
+        drained = await self.pool.wait_idle(server, timeout)
+        left = server.outstanding
+        if not drained:
+            log.warning("%s left with %d request(s) still in flight (they finish or are retried elsewhere)",
+                        server.url, left)
+        if self.pool.find(server.url) is server:
+            self.pool.remove(server.url)
+        await self.store.forget_server(server.url)
+        log.info("inference server %s left the run (%s)", server.url, why)
+        return left
+
+    # --- monitoring --------------------------------------------------------------------------
+
+    def suspect(self, server: Server, reason: str) -> None:
+        """Check `server` at once (a request to it was refused or dropped, or it lost its weights)."""
+        if server.url not in self._suspects:
+            self._suspects.add(server.url)
+            self.notifier.notify()
+
+    async def run(self) -> None:
+        """Check every server every `check_interval` seconds, suspects at once."""
+        while True:
+            changed = self.notifier.changed()
+            await self._refresh()
+            now = time.monotonic()
+            due = [s for s in self.pool.servers
+                   if s.url in self._suspects or now >= self._next_check.get(s.url, 0.0)]
+            self._suspects.clear()
+            for server in due:
+                self._next_check[server.url] = now + self.check_interval
+            if due:
+                results = await asyncio.gather(*(self._check(s) for s in due), return_exceptions=True)
+                for server, result in zip(due, results):
+                    if isinstance(result, Exception):
+                        log.warning("checking %s failed: %r", server.url, result)
+            wake = min(self._next_check.values(), default=now + self.check_interval)
+            await wait_event(changed, max(wake - time.monotonic(), 0.01))
+
+    async def _read_label(self, server: Server) -> Label:
+        try:
+            reply = await self.pool.http.get(server.url + "/weight_info", timeout=self.check_timeout)
+            if reply.status_code == 404:
+                # No dev-mode endpoints: the server cannot say what it serves, only that it is up.
+                health = await self.pool.http.get(server.url + "/health", timeout=self.check_timeout)
+                if health.status_code >= 400:
+                    return Label(False, error=f"GET /health answered {health.status_code}")
+                return Label(True, supported=False)
+            if reply.status_code >= 400:
+                return Label(False, error=f"GET /weight_info answered {reply.status_code}: {reply.text[:200]}")
+            body = reply.json()
+        except (TransportError, ValueError) as exc:
+            return Label(False, error=str(exc))
+        raw = body.get("weight_version", body) if isinstance(body, dict) else body
+        return Label(True, parse_version_label(body), raw)
+
+    async def _check(self, server: Server) -> None:
+        if server.url in self._joining or server.url in self._work or server.state == LEAVING or server.syncing:
+            return
+        label = await self._read_label(server)
+        if not label.reachable:
+            server.last_error = label.error
+            if server.state in (OK, JOINING):
+                self.pool.set_state(server, DOWN, f"not answering: {label.error}")
+                await self.sync.record(server)
+            return
+        meta = await self.store.meta()
+        await self._reconcile(server, label, meta["version"], meta["checkpoint_path"])
+
+    async def _reconcile(self, server: Server, label: Label, published: int, checkpoint: str | None) -> None:
+        """Decide what a server that answered needs, from its label (see the module doc)."""
+        known = server.version
+        if not label.supported:
+            # It cannot tell us its version: trust the published one, as on first contact.
+            if known is None:
+                server.version = published
+            if server.state in (JOINING, DOWN):
+                self.pool.set_state(server, OK)
+                await self.sync.record(server)
+            return
+        if label.version is not None and label.version > published:
+            if known is not None:
+                # A publication is in flight (a sync labels servers before the version is
+                # published, possibly by another replica): look again next time.
+                return
+            log.warning("%s is labelled version %d, above this run's published %d (a label from another "
+                        "run?); relabelling it %d", server.url, label.version, published, published)
+            await self._relabel(server, published)
+            label.version = published
+        if server.state == MISMATCH:
+            return  # its weights are wrong whatever its label says; only a verified sync clears it
+        restarted = label.version is None or (known is not None and label.version < known)
+        if restarted and label.version is None and published == 0 and checkpoint is None:
+            # Base weights are version 0 and nothing was ever published: only the label is missing.
+            await self._relabel(server, 0)
+            label.version, restarted = 0, False
+        if not restarted and label.version is not None:
+            if label.version >= published:
+                if known != label.version:
+                    server.version = label.version
+                    self.pool.changed()
+                if server.state != OK:
+                    server.note(f"back in rotation at version {label.version}")
+                    self.pool.set_state(server, OK)
+                    await self.sync.record(server)
+                return
+            if checkpoint is None:
+                # Behind, and nothing to load: it serves older weights than the run has.
+                self._stale(server, f"serves version {label.version}, but version {published} was published "
+                            "without a checkpoint_path, so the sampler cannot load it")
+                await self.sync.record(server)
+                return
+            # Behind, with a checkpoint to load: catch it up below.
+        why = (f"restarted: serves {label.describe()} instead of version {known}" if restarted and known is not None
+               else f"serves {label.describe()}, published is version {published}")
+        self._heal(server, why)
+
+    def _stale(self, server: Server, why: str) -> None:
+        server.version = None
+        self.pool.set_state(server, STALE, why + (
+            ": publish a checkpoint_path, load the weights into the server and label it, "
+            "or remove it (DELETE /inference_servers)"))
+
+    async def _relabel(self, server: Server, version: int) -> None:
+        try:
+            await self.sync.relabel(server, version)
+        except SyncStepError as exc:
+            log.warning("relabelling %s as version %d failed: %s", server.url, version, exc)
+
+    # --- self-healing --------------------------------------------------------------------------
+
+    def _start_work(self, server: Server, coro: Any) -> asyncio.Task:
+        running = self._work.get(server.url)
+        if running is not None and not running.done():
+            coro.close()
+            return running
+        task = asyncio.create_task(coro, name=f"fleet {server.url}")
+        self._work[server.url] = task
+        task.add_done_callback(lambda t, url=server.url: self._work.pop(url, None) if self._work.get(url) is t else None)
+        return task
+
+    def _heal(self, server: Server, why: str) -> None:
+        if time.monotonic() < self._heal_backoff.get(server.url, 0.0):
+            return
+        self._start_work(server, self._resync(server, why))
+
+    async def _resync(self, server: Server, why: str) -> None:
+        if not await self.store.take_heal_lease(server.url, self.owner, HEAL_LEASE_MS):
+            log.info("another sampler replica is re-syncing %s", server.url)
+            return
+        try:
+            async with self.sync.lock:
+                meta = await self.store.meta()
+                published, checkpoint = meta["version"], meta["checkpoint_path"]
+                if server.version is not None and server.version >= published and server.state == OK:
+                    return  # a publication synced it while we waited for the lock
+                if checkpoint is None:
+                    self._stale(server, f"{why}; version {published} was published without a checkpoint_path "
+                                "(the trainer pushed the weights itself), so the sampler cannot reload it")
+                    await self.sync.record(server)
+                    return
+                server.version = None  # what it serves is not what we recorded: no work until re-synced
+                self.pool.set_state(server, RESYNCING, why)
+                server.resyncs += 1
+                await self.sync.record(server)
+                result = await self.sync.sync_server(server, published, checkpoint)
+            if result.ok:
+                self._heal_backoff.pop(server.url, None)
+                server.note(f"re-synced to version {published} in {result.seconds:.2f}s")
+                self.pool.set_state(server, OK)
+            else:
+                backoff = min(MAX_HEAL_BACKOFF, 2.0 * 2 ** min(server.resyncs, 5))
+                self._heal_backoff[server.url] = time.monotonic() + backoff
+                self.pool.set_state(server, STALE, f"{why}; re-sync to version {published} failed "
+                                    f"({result.error}); trying again in {backoff:.0f}s")
+            await self.sync.record(server)
+        finally:
+            try:
+                await self.store.release_heal_lease(server.url, self.owner)
+            except Exception:  # noqa: BLE001 - the lease expires by itself
+                pass
+
+    async def shutdown(self) -> None:
+        tasks = list(self._work.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
