@@ -87,7 +87,8 @@ class VllmHandle:
                      "--model", str(self.model_dir), "--port", str(self.port), "--host", "127.0.0.1",
                      "--served-model-name", served_model_name, "--vllm-python", str(python)]
         for key, value in settings.items():
-            self.argv += ["--" + key.replace("_", "-"), str(value)]
+            # --flag=value: a value may itself start with "--" (extra_args).
+            self.argv.append(f"--{key.replace('_', '-')}={value}")
         self.weight_version = str(settings.get("weight_version", "0"))
         self.popen: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
@@ -259,3 +260,37 @@ def reference_prompt_logprobs(model_dir: str | os.PathLike, ids: list[int]) -> l
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def reload_method(url: str, *, timeout: float = 30.0) -> str:
+    """The collective_rpc method that reloads weights on the server at `url`, decided the way
+    the sampler does, without side effects: vLLM in dev mode describes its configuration at
+    GET /server_info; a server started with Tandem's worker extension takes
+    `tandem_reload_weights`, any other one (vLLM on GPU, Tandem's CPU server, which has no
+    /server_info) `reload_weights`."""
+    from services.inference.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
+
+    r = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=timeout)
+    if r.status_code != 200:
+        return "reload_weights"
+    parallel = (r.json().get("vllm_config") or {}).get("parallel_config") or {}
+    return RELOAD_METHOD if parallel.get("worker_extension_cls") == EXTENSION_CLS else "reload_weights"
+
+
+def sync_weights(url: str, weights_path: str | os.PathLike | None, version: str, *,
+                 method: str | None = None, timeout: float = 120.0) -> dict:
+    """The sampler's weight sync for one server: pause(keep) -> reload -> update_weight_version
+    -> reset_prefix_cache -> resume (resume even when a step failed). Returns the reload's
+    collective_rpc answer; raises httpx.HTTPStatusError when a step is refused."""
+    method = method or reload_method(url)
+    kwargs = {"weights_path": str(weights_path)} if weights_path is not None else {}
+    with httpx.Client(base_url=url, timeout=timeout) as c:
+        c.post("/pause", params={"mode": "keep"}).raise_for_status()
+        try:
+            r = c.post("/collective_rpc", json={"method": method, "kwargs": kwargs})
+            r.raise_for_status()
+            c.post("/update_weight_version", json={"new_version": version}).raise_for_status()
+            c.post("/reset_prefix_cache").raise_for_status()
+        finally:
+            c.post("/resume").raise_for_status()
+    return r.json()

