@@ -292,6 +292,11 @@ class Fleet:
             # Behind, with a checkpoint to load: catch it up below.
         why = (f"restarted: serves {label.describe()} instead of version {known}" if restarted and known is not None
                else f"serves {label.describe()}, published is version {published}")
+        if restarted:
+            # What it serves is not what we recorded: no work for it until it is re-synced.
+            server.version = None
+            self.pool.set_state(server, RESYNCING, why)
+            await self.sync.record(server)
         self._heal(server, why)
 
     def _stale(self, server: Server, why: str) -> None:
@@ -331,8 +336,17 @@ class Fleet:
             async with self.sync.lock:
                 meta = await self.store.meta()
                 published, checkpoint = meta["version"], meta["checkpoint_path"]
-                if server.version is not None and server.version >= published and server.state == OK:
-                    return  # a publication synced it while we waited for the lock
+                label = await self._read_label(server)
+                if not label.reachable:
+                    self.pool.set_state(server, DOWN, f"not answering: {label.error}")
+                    await self.sync.record(server)
+                    return
+                if label.version == published and server.state != MISMATCH:
+                    # A publication (ours or another replica's) synced it while we waited.
+                    server.version = published
+                    self.pool.set_state(server, OK)
+                    await self.sync.record(server)
+                    return
                 if checkpoint is None:
                     self._stale(server, f"{why}; version {published} was published without a checkpoint_path "
                                 "(the trainer pushed the weights itself), so the sampler cannot reload it")

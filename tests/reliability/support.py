@@ -172,9 +172,9 @@ class Trainer(threading.Thread):
     with a checkpoint path when `checkpoints` (the stand-in accepts any path)."""
 
     def __init__(self, url: str, steps: int, train_seconds: float = 0.4, checkpoints: bool = False,
-                 retry_for: float = 60.0, first_step: int = 0):
+                 retry_for: float = 60.0, first_step: int = 0, api_token: str | None = None):
         super().__init__(daemon=True)
-        self.url, self.steps, self.train_seconds = url, steps, train_seconds
+        self.url, self.steps, self.train_seconds, self.api_token = url, steps, train_seconds, api_token
         self.checkpoints, self.retry_for, self.first_step = checkpoints, retry_for, first_step
         self.batches: list[dict[str, Any]] = []
         self.published: list[int] = []
@@ -186,10 +186,17 @@ class Trainer(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
+    def run_here(self) -> Trainer:
+        """Run the loop in the calling thread; raise what it raised."""
+        self.run()
+        if self.error is not None:
+            raise AssertionError(f"the trainer failed: {self.error!r}") from self.error
+        return self
+
     async def _loop(self) -> None:
         from shared.client import SamplerClient
 
-        async with SamplerClient(self.url, poll_timeout=5, retry_for=self.retry_for) as client:
+        async with SamplerClient(self.url, poll_timeout=5, retry_for=self.retry_for, api_token=self.api_token) as client:
             for step in range(self.first_step, self.first_step + self.steps):
                 self.batches.append(await client.get_batch_raw(step, timeout=90))
                 await asyncio.sleep(self.train_seconds)

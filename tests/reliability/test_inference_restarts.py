@@ -58,9 +58,7 @@ def _restart(standin, tmp_path: Path, cleanup: Cleanup):
 def test_a_restarted_server_is_resynced_from_the_latest_checkpoint(tmp_path: Path, cleanup: Cleanup) -> None:
     standin, sampler = _start(tmp_path, cleanup)
     url = sampler.url
-    first = Trainer(url, RESTART_AFTER, train_seconds=0.1, checkpoints=True)
-    first.run()  # steps 0-2; version 3 is published with /ckpt/step-3
-    assert first.error is None, repr(first.error)
+    Trainer(url, RESTART_AFTER, train_seconds=0.1, checkpoints=True).run_here()  # version 3: /ckpt/step-3
 
     # Restarted between steps: nothing but the sampler's own checks can notice it.
     standin = _restart(standin, tmp_path, cleanup)
@@ -94,9 +92,8 @@ def test_without_a_checkpoint_path_a_restarted_server_is_reported_and_batch_answ
         tmp_path: Path, cleanup: Cleanup) -> None:
     standin, sampler = _start(tmp_path, cleanup, generation_deadline=3)
     url = sampler.url
-    first = Trainer(url, RESTART_AFTER, train_seconds=0.1)
-    first.run()  # steps 0-2; version 3 published with no checkpoint_path (pushed by the trainer)
-    assert first.error is None, repr(first.error)
+    # Steps 0-2; version 3 published with no checkpoint_path (the trainer pushed the weights).
+    Trainer(url, RESTART_AFTER, train_seconds=0.1).run_here()
     # With k = 1, batches 3 and 4 can be generated from version 3: let them seal first.
     wait_for(lambda: {3, 4} <= set(httpx.get(f"{url}/status", timeout=10).json()["steps"]["sealed_steps"]),
              30, "batches 3 and 4")
@@ -110,9 +107,7 @@ def test_without_a_checkpoint_path_a_restarted_server_is_reported_and_batch_answ
     assert listed["servers"][0]["state"] == "stale" and listed["published_version"] == RESTART_AFTER
 
     # The trainer goes on with the batches that exist (publishing 4 and 5 itself)...
-    more = Trainer(url, 2, train_seconds=0.1, first_step=RESTART_AFTER)
-    more.run()
-    assert more.error is None, repr(more.error)
+    Trainer(url, 2, train_seconds=0.1, first_step=RESTART_AFTER).run_here()
 
     # ...then batch 5 needs version 4, which no server in rotation has: a 503 with the cause.
     async def batch_5() -> str:
@@ -130,8 +125,5 @@ def test_without_a_checkpoint_path_a_restarted_server_is_reported_and_batch_answ
     # The operator loads version 5's weights into the server and labels it: back in rotation.
     httpx.post(f"{standin.url}/update_weight_version", json={"new_version": "5"})
     wait_for(lambda: _server(url)["state"] == "ok", 20, "the relabelled server to go back into rotation")
-    rest = Trainer(url, 2, train_seconds=0.1, first_step=5, retry_for=10)
-    rest.run()
-    assert rest.error is None, repr(rest.error)
-    check_batches(rest)
+    check_batches(Trainer(url, 2, train_seconds=0.1, first_step=5, retry_for=10).run_here())
     assert sampler.popen.poll() is None

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import uvicorn
 from services.procs import free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
+_ACCESS_LINE = re.compile(r'^INFO: +[0-9.:\[\]a-f]+ - "')
 
 
 def wait_http(url: str, timeout: float, what: str, proc: ServiceProcess | None = None) -> None:
@@ -95,10 +97,13 @@ class ServiceProcess:
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
+        """The end of the log, without uvicorn's access lines (a polling test writes thousands)."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        lines = [line for line in text.splitlines() if not _ACCESS_LINE.match(line)]
+        return "\n".join(lines)[-chars:]
 
     def kill(self) -> None:
         """SIGKILL, no cleanup: the crash drill."""
