@@ -66,7 +66,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         keys = Keys(settings.namespace)
         store = Store(redis, keys)
         notifier = Notifier(redis_url, keys.events)
-        pool = InferencePool(settings.inference_urls, max_concurrency=settings.max_concurrency,
+        # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).
+        pool = InferencePool([], max_concurrency=settings.max_concurrency,
                              request_timeout=settings.request_timeout, retries=settings.request_retries, http=http,
                              on_version_change=notifier.notify)
         sampling = {"temperature": settings.temperature, "top_p": settings.top_p}

@@ -129,7 +129,6 @@ class Fleet:
                 meta = await self.store.meta()
                 await self._bring_to(server, label, meta["version"], meta["checkpoint_path"])
             await self.store.add_member(url)
-            server.note(f"joined at version {server.version}")
             self.pool.set_state(server, OK)
             await self.sync.record(server)
             log.info("inference server %s joined the run at version %s", url, server.version)
@@ -279,7 +278,6 @@ class Fleet:
                     server.version = label.version
                     self.pool.changed()
                 if server.state != OK:
-                    server.note(f"back in rotation at version {label.version}")
                     self.pool.set_state(server, OK)
                     await self.sync.record(server)
                 return
@@ -359,7 +357,8 @@ class Fleet:
                 result = await self.sync.sync_server(server, published, checkpoint)
             if result.ok:
                 self._heal_backoff.pop(server.url, None)
-                server.note(f"re-synced to version {published} in {result.seconds:.2f}s")
+                server.note(f"re-synced to version {published} in {result.seconds:.2f}s "
+                            f"({server.resyncs} re-sync{'s' if server.resyncs > 1 else ''} so far)")
                 self.pool.set_state(server, OK)
             else:
                 backoff = min(MAX_HEAL_BACKOFF, 2.0 * 2 ** min(server.resyncs, 5))

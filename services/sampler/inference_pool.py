@@ -94,7 +94,8 @@ class Server:
         """Move to `state`; True when that is a change (it is then logged and kept as an event)."""
         changed = state != self.state or reason != self.reason
         if state != self.state:
-            self.note(f"{self.state} -> {state}" + (f": {reason}" if reason else ""))
+            detail = f": {reason}" if reason else (f" at version {self.version}" if state == OK else "")
+            self.note(f"{self.state} -> {state}{detail}")
             (log.info if state == OK else log.warning)("inference server %s: %s -> %s%s", self.url, self.state,
                                                        state, f" ({reason})" if reason else "")
         self.state, self.reason = state, reason

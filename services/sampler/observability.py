@@ -31,6 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.sampler.inference_pool import OK, STATES
+
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -71,17 +73,28 @@ class _StateCollector(Collector):
                                        labels=["server"])
         version = GaugeMetricFamily("tandem_sampler_server_version", "weights version a server serves (-1: unknown)",
                                     labels=["server"])
-        healthy = GaugeMetricFamily("tandem_sampler_server_healthy", "1 when the server's last request succeeded",
-                                    labels=["server"])
+        healthy = GaugeMetricFamily("tandem_sampler_server_healthy",
+                                    "1 when the server is in rotation and its last request succeeded", labels=["server"])
+        states = GaugeMetricFamily("tandem_sampler_server_state",
+                                   "1 for the state each inference server is in (ok: in rotation; see /status for why not)",
+                                   labels=["server", "state"])
+        resyncs = CounterMetricFamily("tandem_sampler_server_resyncs",
+                                      "re-syncs of an inference server that restarted or fell behind", labels=["server"])
         outstanding = GaugeMetricFamily("tandem_sampler_server_outstanding", "requests outstanding per server",
                                         labels=["server"])
         for server in pool.servers:
             requests.add_metric([server.url], server.requests)
             failures.add_metric([server.url], server.failures)
             version.add_metric([server.url], -1 if server.version is None else server.version)
-            healthy.add_metric([server.url], 1 if server.consecutive_failures == 0 else 0)
+            healthy.add_metric([server.url], 1 if server.state == OK and server.consecutive_failures == 0 else 0)
             outstanding.add_metric([server.url], server.outstanding)
-        yield from (requests, failures, version, healthy, outstanding)
+            for name in STATES:
+                states.add_metric([server.url, name], 1 if server.state == name else 0)
+            resyncs.add_metric([server.url], server.resyncs)
+        yield from (requests, failures, version, healthy, outstanding, states, resyncs)
+        yield CounterMetricFamily("tandem_sampler_inference_answers_dropped",
+                                  "answers dropped because their server had lost its weights (restarted)",
+                                  value=pool.stats.backwards)
         yield GaugeMetricFamily("tandem_sampler_in_flight_requests", "inference requests in flight",
                                 value=pool.in_flight)
         yield GaugeMetricFamily("tandem_sampler_batches_in_progress", "batches being generated",

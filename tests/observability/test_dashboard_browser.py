@@ -103,7 +103,11 @@ def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     for chart in ("reward", "staleness", "timeline", "cps", "tps"):
         assert inked_pixels(page, chart) > 500, chart
     servers = page.text_content("#servers tbody")
-    assert "healthy" in servers and "127.0.0.1" in servers
+    assert "127.0.0.1" in servers
+    assert page.get_attribute("#servers tbody tr", "data-state") == "ok"
+    # The server's history: it became a member and went into rotation, then synced versions.
+    events = page.text_content("#server-events tbody")
+    assert "member of the run" in events and "joining -> ok at version 0" in events, events
 
     # The rollout filter narrows the table.
     page.fill("#filter-step", "1")

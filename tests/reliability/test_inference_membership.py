@@ -77,7 +77,7 @@ def test_a_server_joins_at_the_published_version_and_every_replica_sees_it(tmp_p
     assert _requests(second) > 0, "the new server never got work"
     members = _members(url)
     assert set(members) == {first.url, second.url}
-    assert any(e["event"].startswith("joined at version 3") for e in members[second.url]["events"])
+    assert any(e["event"] == "joining -> ok at version 3" for e in members[second.url]["events"]), members
 
     # Membership is in Redis: a second replica on the same Redis and namespace uses both servers
     # (its `inference_urls` only names the first), and so does this sampler after a restart.

@@ -216,20 +216,39 @@ function cell(row, text, cls) {
   return td;
 }
 
+// A server in rotation gets work; every other state says why it does not (see /status).
+const STATE_CLASS = { ok: "healthy", joining: "muted", leaving: "muted", syncing: "muted" };
+
 function renderServers(servers) {
   const body = $("servers").tBodies[0];
   body.replaceChildren();
+  const events = [];
   for (const s of servers) {
     const tr = document.createElement("tr");
+    tr.dataset.url = s.url;
+    tr.dataset.state = s.state;
     cell(tr, s.url, "text");
     cell(tr, fmt(s.version), "num");
-    cell(tr, s.healthy ? "healthy" : "failing", s.healthy ? "healthy" : "unhealthy");
+    const state = s.syncing && s.state === "ok" ? "syncing" : (s.state || (s.healthy ? "ok" : "failing"));
+    cell(tr, state, STATE_CLASS[state] || "unhealthy");
     cell(tr, fmt(s.outstanding), "num");
     cell(tr, fmt(s.requests), "num");
     cell(tr, fmt(s.failures), "num");
+    cell(tr, fmt(s.resyncs), "num");
     cell(tr, duration(s.last_sync_seconds), "num");
-    cell(tr, s.error || "", "text");
+    cell(tr, s.reason || s.error || "", "text");
     body.appendChild(tr);
+    for (const e of s.events || []) events.push({ at: e.at, url: s.url, event: e.event });
+  }
+  events.sort((a, b) => b.at - a.at);
+  const eventsBody = $("server-events").tBodies[0];
+  eventsBody.replaceChildren();
+  for (const e of events.slice(0, 20)) {
+    const tr = document.createElement("tr");
+    cell(tr, new Date(e.at * 1000).toLocaleTimeString(), "num");
+    cell(tr, e.url, "text");
+    cell(tr, e.event, "text");
+    eventsBody.appendChild(tr);
   }
 }
 
