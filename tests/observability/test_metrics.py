@@ -80,6 +80,11 @@ def test_metrics_families_and_values(make_sampler, standin):
     assert value(m, "tandem_sampler_server_version", server=standin.url) == 4
     assert value(m, "tandem_sampler_published_version") == 4
     assert value(m, "tandem_sampler_server_healthy", server=standin.url) == 1
+    assert value(m, "tandem_sampler_server_state", server=standin.url, state="ok") == 1
+    states = {s.labels["state"]: s.value for s in m["tandem_sampler_server_state"].samples}
+    assert states == {"joining": 0, "ok": 1, "down": 0, "resyncing": 0, "stale": 0, "mismatch": 0, "leaving": 0}
+    assert [s.value for s in m["tandem_sampler_server_resyncs"].samples if s.name.endswith("_total")] == [0]
+    assert [s.value for s in m["tandem_sampler_inference_answers_dropped"].samples if s.name.endswith("_total")] == [0]
 
 
 def test_each_sampler_has_its_own_registry(make_sampler, namespace):
