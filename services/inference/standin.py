@@ -1,7 +1,8 @@
 """A model-free stand-in for `vllm serve`, for tests and benchmarks of the sampler.
 
 It speaks the subset of vLLM's HTTP API that Tandem uses (completions with token ids,
-logprobs and weight-version spans; pause/resume; reload_weights; version labels) and
+logprobs, prompt logprobs and weight-version spans; pause/resume; reload_weights; version
+labels) and
 generates pseudo-random characters with a configurable latency per token, so that
 generation time can be set exactly. Tokens are bytes: token id = byte value, id 0 = EOS.
 It is not a language model: use the CPU inference server for anything that must learn.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import math
 import random
 import time
@@ -28,6 +30,16 @@ ALPHABET = "0123456789abcdefghij "
 EOS = 0
 
 
+def standin_prompt_logprobs(weights: str, token_ids: list[int]) -> list[float | None]:
+    """The stand-in's log p(token_ids[i] | token_ids[:i]) under `weights` (a checkpoint path, or
+    "base"): a fixed pseudo-random number in [-3, -1] per prefix, null for the first token."""
+    out: list[float | None] = [None]
+    for i in range(1, len(token_ids)):
+        digest = hashlib.blake2b(f"{weights}|{token_ids[:i + 1]}".encode(), digest_size=4).digest()
+        out.append(-1.0 - int.from_bytes(digest, "little") % 2001 / 1000)
+    return out
+
+
 @dataclass
 class StandInState:
     token_latency: float = 0.0
@@ -40,6 +52,10 @@ class StandInState:
     reload_delay: float = 0.0  # seconds each reload_weights takes (shutdown-during-sync drills)
     resume_delay: float = 0.0  # seconds each /resume takes before it resumes
     reply: str | None = None  # when set, every completion is this text (escaping drills)
+    # The "weights": the last checkpoint path loaded. Prompt logprobs are a function of them
+    # (standin_prompt_logprobs), so a probe computed for a checkpoint matches only after it loaded.
+    weights: str = "base"
+    stale_reloads: bool = False  # test hook: reloads answer 200 but keep the old weights (vLLM CPU's bug)
     max_model_len: int = 4096
     model_id: str = "standin"
 
@@ -99,6 +115,13 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
                 _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body)
                 for i in range(n)
             ))
+        if body.get("prompt_logprobs") is not None:
+            rows = standin_prompt_logprobs(s.weights, prompt_ids)
+            for choice in choices:
+                choice["prompt_logprobs"] = [None] + [
+                    {str(t): {"logprob": lp, "rank": 1, "decoded_token": chr(t % 256)}}
+                    for t, lp in zip(prompt_ids[1:], rows[1:])
+                ]
         generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
         return Response(orjson.dumps({
             "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
@@ -195,6 +218,8 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         if st(request).reload_delay:
             await asyncio.sleep(st(request).reload_delay)
         st(request).reloads.append(path)
+        if not st(request).stale_reloads:
+            st(request).weights = path
         return {"results": [None]}
 
     @app.post("/update_weight_version")
@@ -218,19 +243,24 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
 
     @app.post("/_standin/configure")
     async def configure(request: Request) -> dict[str, Any]:
-        """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null}; omitted keys stay."""
+        """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null,
+        "stale_reloads": bool}; omitted keys stay."""
         s, body = st(request), await request.json()
         for key in ("reload_delay", "resume_delay"):
             if key in body:
                 setattr(s, key, float(body[key]))
         if "reply" in body:
             s.reply = body["reply"]
-        return {"reload_delay": s.reload_delay, "resume_delay": s.resume_delay, "reply": s.reply}
+        if "stale_reloads" in body:
+            s.stale_reloads = bool(body["stale_reloads"])
+        return {"reload_delay": s.reload_delay, "resume_delay": s.resume_delay, "reply": s.reply,
+                "stale_reloads": s.stale_reloads}
 
     @app.get("/_standin/stats")
     async def stats(request: Request) -> dict[str, Any]:
         s = st(request)
-        return {"requests": s.requests, "reloads": s.reloads, "version": s.version, "paused": s.paused}
+        return {"requests": s.requests, "reloads": s.reloads, "version": s.version, "paused": s.paused,
+                "weights": s.weights}
 
     return app
 
