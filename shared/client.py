@@ -162,9 +162,17 @@ class SamplerClient:
                 continue
             self._raise(response, what)
 
-    async def publish_weights(self, version: int, checkpoint_path: str | None = None) -> WeightsVersion:
+    async def publish_weights(self, version: int, checkpoint_path: str | None = None, *,
+                              probe: dict[str, Any] | None = None,
+                              metrics: dict[str, float] | None = None) -> WeightsVersion:
+        """Publish `version`; with a `probe` (shared/probe.py) every server the sampler loads the
+        checkpoint into must compute the trainer's logprobs, and `metrics` show on the dashboard."""
         what = f"POST /weights_version version={version}"
-        body = {"version": version, "checkpoint_path": checkpoint_path}
+        body: dict[str, Any] = {"version": version, "checkpoint_path": checkpoint_path}
+        if probe is not None:
+            body["probe"] = probe
+        if metrics:
+            body["metrics"] = metrics
         response = await self._request("POST", "/weights_version", what, json=body)
         if response.status_code == 409:
             raise VersionConflict(409, _detail(response), what)

@@ -6,10 +6,13 @@ sampler can add metadata without breaking an older trainer.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator, field_validator
+
+from shared.probe import Probe, ProbeResult
 
 FinishReason = Literal["stop", "length", "abort"]
 EvalStatus = Literal["pending", "running", "done", "failed"]
@@ -95,6 +98,24 @@ class WeightsVersionRequest(BaseModel):
         description="HF-format checkpoint directory the sampler loads into every inference "
         "server; null when the trainer already pushed the weights itself",
     )
+    probe: Probe | None = Field(
+        default=None,
+        description="token ids and the trainer's logprobs for them under these weights: every server the "
+        "sampler loads them into must agree (shared/probe.py), or it is taken out of rotation",
+    )
+    metrics: dict[str, float | None] | None = Field(
+        default=None, max_length=64,
+        description="the trainer's metrics for the step that made this version (behaviour_mismatch, loss, "
+        "...): shown on the dashboard and in /status",
+    )
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite(cls, value: dict[str, float | None] | None) -> dict[str, float | None] | None:
+        for name, number in (value or {}).items():
+            if number is not None and not math.isfinite(number):
+                raise ValueError(f"metrics[{name!r}] is {number}: send finite numbers (or null)")
+        return value
 
 
 class ServerVersion(_Open):
@@ -107,6 +128,7 @@ class ServerVersion(_Open):
     healthy: bool = True
     error: str | None = None
     last_sync_seconds: float | None = None
+    probe: ProbeResult | None = Field(default=None, description="how its last verified sync compared with the trainer")
 
 
 class InferenceServerRequest(BaseModel):

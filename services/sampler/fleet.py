@@ -155,7 +155,7 @@ class Fleet:
                 "checkpoint_path (the trainer pushed the weights itself), so the sampler cannot load it: "
                 f"load version {published}'s weights into the server, label it (POST {server.url}"
                 f"/update_weight_version {{\"new_version\": \"{published}\"}}) and add it again"))
-        result = await self.sync.sync_server(server, published, checkpoint)
+        result = await self.sync.sync_server(server, published, checkpoint, await self.store.probe())
         if not result.ok:
             raise JoinRefused(422, f"{server.url} could not load version {published} from {checkpoint!r}: {result.error}")
 
@@ -293,6 +293,7 @@ class Fleet:
         if restarted:
             # What it serves is not what we recorded: no work for it until it is re-synced.
             server.version = None
+            server.reload_method = None  # it may have been started differently
             self.pool.set_state(server, RESYNCING, why)
             await self.sync.record(server)
         self._heal(server, why)
@@ -354,13 +355,13 @@ class Fleet:
                 self.pool.set_state(server, RESYNCING, why)
                 server.resyncs += 1
                 await self.sync.record(server)
-                result = await self.sync.sync_server(server, published, checkpoint)
+                result = await self.sync.sync_server(server, published, checkpoint, await self.store.probe())
             if result.ok:
                 self._heal_backoff.pop(server.url, None)
                 server.note(f"re-synced to version {published} in {result.seconds:.2f}s "
                             f"({server.resyncs} re-sync{'s' if server.resyncs > 1 else ''} so far)")
                 self.pool.set_state(server, OK)
-            else:
+            elif not result.mismatch:  # a mismatch is its own state: only a verified sync clears it
                 backoff = min(MAX_HEAL_BACKOFF, 2.0 * 2 ** min(server.resyncs, 5))
                 self._heal_backoff[server.url] = time.monotonic() + backoff
                 self.pool.set_state(server, STALE, f"{why}; re-sync to version {published} failed "

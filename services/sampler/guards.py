@@ -1,10 +1,15 @@
-"""Request guards: a body-size limit (413) and Redis outages as 503s, never 500s."""
+"""Request guards: a body-size limit (413), invalid bodies as 422s and Redis outages as 503s,
+never 500s."""
 
 from __future__ import annotations
 
 import json
+import math
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,8 +66,25 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities as strings: Python's JSON reader accepts them in a body, and the 422
+    that echoes the body back must not fail to encode them (that was a 500)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def install(app: FastAPI, max_body_bytes: int) -> None:
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler, with values that JSON can carry.
+        return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(exc.errors()))})
 
     @app.exception_handler(RedisError)
     async def redis_unavailable(request: Request, exc: RedisError) -> JSONResponse:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from services.sampler.notify import wait_event
 from shared.http_client import HttpClient, Reply, TransportError
+from shared.probe import ProbeResult
 
 log = logging.getLogger("tandem.sampler.inference")
 
@@ -77,6 +78,9 @@ class Server:
     last_sync_seconds: float | None = None
     syncing: bool = False
     resyncs: int = 0
+    reload_method: str | None = None  # collective_rpc method that reloads its weights (weight_sync.py)
+    last_probe: ProbeResult | None = None
+    probe_failures: int = 0
     added_at: float = field(default_factory=time.time)
     # (unix time, what happened): joins, leaves, restarts, re-syncs, for /status and the dashboard.
     events: collections.deque[tuple[float, str]] = field(default_factory=lambda: collections.deque(maxlen=EVENTS_KEPT))
@@ -129,6 +133,9 @@ class Server:
             "error": self.last_error,
             "last_sync_seconds": self.last_sync_seconds,
             "resyncs": self.resyncs,
+            "reload_method": self.reload_method,
+            "probe": self.last_probe.model_dump() if self.last_probe else None,
+            "probe_failures": self.probe_failures,
             "added_at": self.added_at,
             "events": [{"at": at, "event": text} for at, text in self.events],
         }

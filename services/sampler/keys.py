@@ -34,6 +34,11 @@ class Keys:
         # Replay pool (strategy = replay): hashes group_id -> JSON meta / msgpack samples.
         self.replay_meta = self.prefix + "replay:meta"
         self.replay_data = self.prefix + "replay:data"
+        # String: the latest published version's probe (shared/probe.py JSON), written with the
+        # version; re-syncs and joins verify servers against it.
+        self.probe = self.prefix + "probe"
+        # Stream of the trainer's per-step metrics (sent with POST /weights_version), capped.
+        self.trainer_metrics = self.prefix + "trainer_metrics"
         # Sorted set: published weights version -> unix time of its publication, capped
         # (the dashboard derives training time per step from it).
         self.published = self.prefix + "published"

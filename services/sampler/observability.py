@@ -80,6 +80,12 @@ class _StateCollector(Collector):
                                    labels=["server", "state"])
         resyncs = CounterMetricFamily("tandem_sampler_server_resyncs",
                                       "re-syncs of an inference server that restarted or fell behind", labels=["server"])
+        probe_diff = GaugeMetricFamily("tandem_sampler_probe_max_abs_diff",
+                                       "largest |server - trainer| prompt logprob in the server's last probe (nats)",
+                                       labels=["server"])
+        probe_failures = CounterMetricFamily("tandem_sampler_probe_failures",
+                                             "syncs whose probe showed the server does not compute the trainer's "
+                                             "logprobs", labels=["server"])
         outstanding = GaugeMetricFamily("tandem_sampler_server_outstanding", "requests outstanding per server",
                                         labels=["server"])
         for server in pool.servers:
@@ -91,7 +97,10 @@ class _StateCollector(Collector):
             for name in STATES:
                 states.add_metric([server.url, name], 1 if server.state == name else 0)
             resyncs.add_metric([server.url], server.resyncs)
-        yield from (requests, failures, version, healthy, outstanding, states, resyncs)
+            probe_failures.add_metric([server.url], server.probe_failures)
+            if server.last_probe is not None and server.last_probe.max_abs_diff is not None:
+                probe_diff.add_metric([server.url], server.last_probe.max_abs_diff)
+        yield from (requests, failures, version, healthy, outstanding, states, resyncs, probe_diff, probe_failures)
         yield CounterMetricFamily("tandem_sampler_inference_answers_dropped",
                                   "answers dropped because their server had lost its weights (restarted)",
                                   value=pool.stats.backwards)

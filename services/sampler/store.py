@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
 from services.sampler.notify import wait_event
+from shared.probe import Probe
 
 # KEYS: batch, sealed, meta. ARGV: step, payload, channel.
 # Returns 1 when sealed now, 0 when it was already sealed, -1 when the step was trimmed.
@@ -36,14 +37,16 @@ end
 return 0
 """
 
-# KEYS: meta. ARGV: version, checkpoint_path ('' for none), channel.
+# KEYS: meta, probe. ARGV: version, checkpoint_path ('' for none), channel, time, probe JSON ('' for none).
 # Returns {outcome, previous}: outcome 2 = advanced, 1 = same version again, 0 = refused (lower).
+# The probe belongs to the version: written (or deleted) in the same step.
 _PUBLISH = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local v = tonumber(ARGV[1])
 if v < cur then return {0, cur} end
 if v == cur then return {1, cur} end
 redis.call('HSET', KEYS[1], 'version', v, 'checkpoint_path', ARGV[2], 'published_at', ARGV[4])
+if ARGV[5] == '' then redis.call('DEL', KEYS[2]) else redis.call('SET', KEYS[2], ARGV[5]) end
 redis.call('PUBLISH', ARGV[3], 'version:' .. v)
 return {2, cur}
 """
@@ -209,17 +212,33 @@ class Store:
         value = await self.r.hget(self.keys.meta, "version")
         return int(value) if value is not None else 0
 
-    async def publish_version(self, version: int, checkpoint_path: str | None) -> tuple[int, int]:
+    async def publish_version(self, version: int, checkpoint_path: str | None,
+                              probe: Probe | None = None) -> tuple[int, int]:
         """(outcome, previous): outcome 2 advanced, 1 repeated, 0 refused as lower."""
         now = time.time()
         outcome, previous = await self._publish(
-            keys=[self.keys.meta], args=[version, checkpoint_path or "", self.keys.events, now]
+            keys=[self.keys.meta, self.keys.probe],
+            args=[version, checkpoint_path or "", self.keys.events, now, probe.model_dump_json() if probe else ""],
         )
         if int(outcome) == 2:
             # Publication history for the dashboard's timeline; capped like the stats stream.
             await self.r.zadd(self.keys.published, {str(version): now})
             await self.r.zremrangebyrank(self.keys.published, 0, -self.stats_cap - 1)
         return int(outcome), int(previous)
+
+    async def probe(self) -> Probe | None:
+        """The published version's probe, if the trainer sent one."""
+        raw = await self.r.get(self.keys.probe)
+        return Probe.model_validate_json(raw) if raw else None
+
+    async def add_trainer_metrics(self, version: int, metrics: dict[str, float | None]) -> None:
+        record = {"version": version, "at": time.time(), **metrics}
+        await self.r.xadd(self.keys.trainer_metrics, {"json": json.dumps(record)}, maxlen=self.stats_cap,
+                          approximate=True)
+
+    async def recent_trainer_metrics(self, count: int = 200) -> list[dict[str, Any]]:
+        entries = await self.r.xrevrange(self.keys.trainer_metrics, count=count)
+        return [json.loads(fields[b"json"]) for _, fields in reversed(entries)]
 
     async def version_publish_times(self, count: int = 500) -> dict[int, float]:
         """The last `count` published versions -> unix time each was published."""

@@ -1,9 +1,11 @@
 """Weight sync: load a checkpoint into every inference server and record what each serves.
 
-For one server: pause(keep) -> collective_rpc reload_weights -> update_weight_version ->
-reset_prefix_cache -> resume. Requests frozen by the pause continue on the new weights
-after resume, and vLLM's `weight_versions` spans tell which tokens came from which
-version. Resume runs whatever happened before it, and is retried until it succeeds:
+For one server: pause(keep) -> collective_rpc reload (vLLM's `reload_weights`, or
+`tandem_reload_weights` on vLLM's CPU build with Tandem's worker extension) ->
+update_weight_version -> reset_prefix_cache -> resume -> probe check (when the trainer sent
+a probe, the server must compute the trainer's logprobs before it gets work: shared/probe.py).
+Requests frozen by the pause continue on the new weights after resume, and vLLM's
+`weight_versions` spans tell which tokens came from which version. Resume runs whatever happened before it, and is retried until it succeeds:
 a server must never be left paused. While a server syncs, new requests go elsewhere.
 
 Versions are labelled with the decimal string of the integer version.
@@ -18,9 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.sampler.inference_pool import OK, RESYNCING, STALE, InferencePool, Server
+from services.inference.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
+from services.sampler.inference_pool import MISMATCH, OK, RESYNCING, STALE, InferencePool, Server
 from services.sampler.store import Store
 from shared.http_client import Reply, TransportError
+from shared.probe import Probe, ProbeResult, compare, probe_request, served_logprobs
+from shared.probe import failed as probe_failed
 
 log = logging.getLogger("tandem.sampler.weights")
 
@@ -41,6 +46,8 @@ class SyncResult:
     error: str | None = None
     client_error: bool = False  # the server refused the checkpoint (4xx): our caller's input is bad
     unreachable: bool = False  # no HTTP answer at some step: the server is down (or died mid-sync)
+    mismatch: bool = False  # loaded, but the probe showed it does not compute the trainer's numbers
+    probe: ProbeResult | None = None
 
 
 def parse_version_label(body: Any) -> int | None:
@@ -130,50 +137,105 @@ class WeightSync:
             except SyncStepError:
                 await asyncio.sleep(5.0)
 
-    async def sync_server(self, server: Server, version: int, checkpoint_path: str) -> SyncResult:
+    async def sync_server(self, server: Server, version: int, checkpoint_path: str,
+                          probe: Probe | None = None) -> SyncResult:
         task = asyncio.current_task()
         self._syncing.add(task)
         try:
-            return await self._sync_server(server, version, checkpoint_path)
+            return await self._sync_server(server, version, checkpoint_path, probe)
         finally:
             self._syncing.discard(task)
 
-    async def _sync_server(self, server: Server, version: int, checkpoint_path: str) -> SyncResult:
+    async def reload_method(self, server: Server) -> str:
+        """The collective_rpc method that reloads weights on `server`, asked without side effects:
+        vLLM in dev mode describes its configuration at GET /server_info, and one started with
+        Tandem's worker extension (the CPU build, see services/inference/vllm_ext.py) must be
+        reloaded through it; vLLM without it, and Tandem's CPU server (no /server_info), take
+        vLLM's `reload_weights`. Remembered until the server restarts."""
+        if server.reload_method is None:
+            method = "reload_weights"
+            try:
+                reply = await self.pool.http.get(server.url + "/server_info?config_format=json", timeout=30)
+                if reply.status_code == 200:
+                    parallel = ((reply.json() or {}).get("vllm_config") or {}).get("parallel_config") or {}
+                    if parallel.get("worker_extension_cls") == EXTENSION_CLS:
+                        method = RELOAD_METHOD
+            except (TransportError, ValueError, AttributeError):
+                pass  # asked again at the next sync: the reload itself will say what is wrong
+            else:
+                server.reload_method = method
+            return method
+        return server.reload_method
+
+    async def verify(self, server: Server, probe: Probe) -> ProbeResult:
+        """Ask `server` for the probe's prompt logprobs and compare them with the trainer's."""
+        try:
+            reply = await self.pool.http.post(server.url + "/v1/completions", json=probe_request(probe.token_ids),
+                                              timeout=self.step_timeout)
+        except TransportError as exc:
+            return probe_failed(probe, str(exc))
+        if reply.status_code >= 400:
+            return probe_failed(probe, f"HTTP {reply.status_code}: {reply.text[:300]}")
+        try:
+            return compare(probe, served_logprobs(reply.json(), probe.token_ids))
+        except ValueError as exc:
+            return probe_failed(probe, str(exc))
+
+    async def _sync_server(self, server: Server, version: int, checkpoint_path: str,
+                           probe: Probe | None) -> SyncResult:
         started = time.monotonic()
         server.syncing = True
         error: SyncStepError | None = None
         paused = False
+        checked: ProbeResult | None = None
         try:
-            await self._call(server, "pause", "POST", "/pause", params={"mode": "keep"})
-            paused = True
-            await self._call(server, "reload_weights", "POST", "/collective_rpc",
-                             json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_path}})
-            await self._call(server, "update_weight_version", "POST", "/update_weight_version",
-                             json={"new_version": str(version)})
-            await self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache")
-        except SyncStepError as exc:
-            error = exc
-        finally:
-            # Even when pause itself failed, the server may have paused: resume regardless,
-            # in a task of its own, so a cancelled sync (a request cut off by shutdown) still
-            # resumes, and shutdown() can wait for it.
-            resuming = self._track(self._resuming, asyncio.create_task(self.resume(server),
-                                                                       name=f"resume-after-sync-{server.url}"))
             try:
-                resumed = await asyncio.shield(resuming)
+                method = await self.reload_method(server)
+                await self._call(server, "pause", "POST", "/pause", params={"mode": "keep"})
+                paused = True
+                await self._call(server, "reload_weights", "POST", "/collective_rpc",
+                                 json={"method": method, "kwargs": {"weights_path": checkpoint_path}})
+                await self._call(server, "update_weight_version", "POST", "/update_weight_version",
+                                 json={"new_version": str(version)})
+                await self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache")
+            except SyncStepError as exc:
+                error = exc
             finally:
-                server.syncing = False
+                # Even when pause itself failed, the server may have paused: resume regardless,
+                # in a task of its own, so a cancelled sync (a request cut off by shutdown) still
+                # resumes, and shutdown() can wait for it.
+                resuming = self._track(self._resuming, asyncio.create_task(self.resume(server),
+                                                                           name=f"resume-after-sync-{server.url}"))
+                resumed = await asyncio.shield(resuming)
+            if error is None and resumed and probe is not None:
+                # Still no work for it (syncing): first show that it computes the trainer's numbers.
+                checked = server.last_probe = await self.verify(server, probe)
+        finally:
+            server.syncing = False
         seconds = time.monotonic() - started
-        if error is None and resumed:
+        if error is None and resumed and (checked is None or checked.ok):
             server.last_sync_seconds = seconds
             server.last_error = None
-            server.note(f"synced to version {version} in {seconds:.2f}s")
+            server.note(f"synced to version {version} in {seconds:.2f}s"
+                        + (f", probe max diff {checked.max_abs_diff:.2g}" if checked else ""))
             self.pool.set_version(server.url, version)
-            if server.state in (RESYNCING, STALE):
+            if server.state in (RESYNCING, STALE, MISMATCH):
                 self.pool.set_state(server, OK)  # it serves the published weights again
             await self.record(server)
-            log.info("server %s now serves version %d (sync %.2fs)", server.url, version, seconds)
-            return self._report(SyncResult(server.url, True, version, seconds))
+            log.info("server %s now serves version %d (sync %.2fs%s)", server.url, version, seconds,
+                     f", verified: max diff {checked.max_abs_diff:.2g}" if checked else "")
+            return self._report(SyncResult(server.url, True, version, seconds, probe=checked))
+        if checked is not None and error is None and resumed:
+            # Loaded and labelled, but it does not compute what the trainer computes: no work for it.
+            server.probe_failures += 1
+            server.last_error = f"version {version} from {checkpoint_path}: {checked.describe()}"
+            server.version = None
+            self.pool.set_state(server, MISMATCH, f"after loading version {version}, {checked.describe()}: "
+                                "it does not serve the trainer's weights")
+            await self.record(server)
+            log.error("server %s loaded version %d but %s; out of rotation", server.url, version, checked.describe())
+            return self._report(SyncResult(server.url, False, None, seconds, server.last_error,
+                                           mismatch=True, probe=checked))
         message = str(error) if error else "resume failed"
         server.last_error = f"weight sync to version {version} failed at {message}"
         server.note(server.last_error)
@@ -194,9 +256,10 @@ class WeightSync:
                 log.exception("on_synced hook %r failed", hook)
         return result
 
-    async def sync_all(self, version: int, checkpoint_path: str, servers: list[Server] | None = None) -> list[SyncResult]:
+    async def sync_all(self, version: int, checkpoint_path: str, servers: list[Server] | None = None,
+                       probe: Probe | None = None) -> list[SyncResult]:
         targets = servers if servers is not None else self.pool.servers
-        return list(await asyncio.gather(*(self.sync_server(s, version, checkpoint_path) for s in targets)))
+        return list(await asyncio.gather(*(self.sync_server(s, version, checkpoint_path, probe) for s in targets)))
 
     async def relabel(self, server: Server, version: int) -> None:
         await self._call(server, "update_weight_version", "POST", "/update_weight_version",

@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from shared.probe import MAX_PROBE_TOKENS
 from shared.settings import TandemSettings
 
 LossType = Literal["grpo", "dapo", "dr_grpo"]
@@ -82,6 +83,21 @@ class TrainerSettings(TandemSettings):
     tensorboard: bool = Field(default=False, description="also write TensorBoard scalars to run_dir/tensorboard")
     progress: bool = Field(default=True, description="show a progress display on rank 0")
 
+    # Trainer and inference computing the same numbers (services/trainer/probe.py, mismatch.py).
+    probe_tokens: int = Field(
+        default=64, ge=0, le=MAX_PROBE_TOKENS,
+        description="tokens of the step's first sample whose logprobs are sent with each published checkpoint, "
+        "so the sampler can check every inference server computes them too; 0 disables the probe",
+    )
+    max_behaviour_mismatch: float = Field(
+        default=0.2, ge=0,
+        description="nats: warn when behaviour_mismatch (mean |trainer logprob - sampler logprob| of the sampled "
+        "tokens) exceeds it, stop after behaviour_mismatch_patience such steps in a row; 0 disables",
+    )
+    behaviour_mismatch_patience: int = Field(
+        default=5, ge=1, description="consecutive steps above max_behaviour_mismatch before the run stops"
+    )
+
     @field_validator("max_grad_norm", "tis_cap")
     @classmethod
     def _zero_disables(cls, value: float | None) -> float | None:
@@ -98,6 +114,9 @@ class TrainerSettings(TandemSettings):
                 "temperature must be > 0: training needs the sampling distribution's logprobs, "
                 "and greedy decoding (temperature 0) has none"
             )
+        if self.probe_tokens == 1:
+            raise ValueError("probe_tokens must be 0 (no probe) or >= 2: a probe compares the logprobs of the "
+                             "tokens after the first")
         if not self.sampler_url.startswith(("http://", "https://")):
             raise ValueError(f"sampler_url {self.sampler_url!r} is not an http(s) URL")
         return self

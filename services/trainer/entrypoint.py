@@ -1,8 +1,10 @@
 """`tandem trainer`: parse the settings, then import torch and train.
 
 Exit status 0 after `max_steps`; 2 for invalid settings or a batch-shape mismatch with
-the sampler (the message names the numbers). Under `torchrun` every rank runs this
-same command; rank 0 prints the summary.
+the sampler (the message names the numbers); 3 when the run stopped because the inference
+servers' logprobs kept disagreeing with the trainer's (`max_behaviour_mismatch`; the message
+says what to check, and the last step's checkpoint is written). Under `torchrun` every rank
+runs this same command; rank 0 prints the summary.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from services.trainer.config import TrainerSettings
+from services.trainer.mismatch import BehaviourMismatchError
 from shared.settings import SettingsError, load
 
 
@@ -24,6 +27,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         # SystemExit with an int code prints nothing by itself: say why before exiting 2.
         print(f"{prog or 'tandem trainer'}: {exc.message}", file=sys.stderr)
         return 2
+    except BehaviourMismatchError as exc:
+        # A diagnosis, not a crash: the message without a traceback.
+        print(f"{prog or 'tandem trainer'}: {exc}", file=sys.stderr)
+        return 3
 
 
 def _main(argv: Sequence[str] | None, prog: str | None) -> int:

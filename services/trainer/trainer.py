@@ -15,10 +15,14 @@ Per step N, on every rank:
      sampler's max_staleness >= 1, since batch N may then be generated from version N-1);
   2. `Learner.train_on_samples` (in a worker thread, so evals and the prefetch progress
      on the event loop meanwhile);
-  3. rank 0 writes `run_dir/checkpoints/step-N` atomically, POSTs `/weights_version`
-     with version N+1 and that path, prunes old checkpoints, appends a metrics line;
-     the other ranks wait at a barrier, so nobody asks for batch N+1 before version N+1
-     is published.
+  3. rank 0 computes the probe (the first sample's logprobs under the new weights,
+     services/trainer/probe.py), writes `run_dir/checkpoints/step-N` atomically, POSTs
+     `/weights_version` with version N+1, that path, the probe and the step's metrics,
+     prunes old checkpoints, appends a metrics line; the other ranks wait at a barrier,
+     so nobody asks for batch N+1 before version N+1 is published;
+  4. every rank checks the step's behaviour_mismatch (services/trainer/mismatch.py):
+     after `behaviour_mismatch_patience` steps in a row above `max_behaviour_mismatch`
+     the run stops with `BehaviourMismatchError`, its last checkpoint written.
 
 Start-up: GET /status supplies the sampler's batch shape, temperature, max_tokens and
 max_staleness; a batch-shape mismatch stops the trainer with a message naming the
@@ -38,6 +42,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -52,6 +57,7 @@ from shared.wire import Batch
 log = logging.getLogger("tandem.trainer")
 
 REQUIRED_STATUS_KEYS = ("prompts_per_step", "num_generations")
+MAX_PUBLISHED_METRICS = 64  # shared.wire.WeightsVersionRequest.metrics allows at most 64 keys
 
 
 def check_batch_shape(per_device_batch_size: int, grad_accum_steps: int, world_size: int,
@@ -224,6 +230,20 @@ def batch_stats(batch: Batch, step: int) -> dict[str, float]:
     }
 
 
+def published_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The step record's numbers for `POST /weights_version`'s `metrics` (the sampler shows them):
+    finite ints and floats only (no strings, bools or nulls), at most 64; the version travels apart."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "version" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(value):
+            out[key] = value
+        if len(out) == MAX_PUBLISHED_METRICS:
+            break
+    return out
+
+
 class Trainer:
     def __init__(self, settings: TrainerSettings, client: SamplerClient | None = None):
         self.settings = settings
@@ -263,9 +283,11 @@ class Trainer:
                     "retention window (raise the sampler's keep_batches, or start a fresh run_dir)"
                 ) from exc
 
-    async def _publish(self, version: int, path: Path | None) -> None:
+    async def _publish(self, version: int, path: Path | None, *, probe: dict[str, Any] | None = None,
+                       metrics: dict[str, float] | None = None) -> None:
         try:
-            await self.client.publish_weights(version, str(path) if path else None)
+            await self.client.publish_weights(version, str(path) if path else None,
+                                              probe=probe if path else None, metrics=metrics)
         except VersionConflict as exc:
             # Already at (or past) this version: a resumed run re-announcing its checkpoint.
             log.info("sampler already has version >= %d (%s)", version, exc.detail)
@@ -298,6 +320,8 @@ class Trainer:
         from services.trainer import checkpoint as ckpt
         from services.trainer.learner import Learner, LossConfig
         from services.trainer.metrics import MetricsLogger, Progress, describe
+        from services.trainer.mismatch import MismatchGuard
+        from services.trainer.probe import compute_probe, probe_token_ids
 
         s = self.settings
         wall_start = time.monotonic()
@@ -360,6 +384,8 @@ class Trainer:
             if world.is_main and s.eval_at_start:
                 before_task = asyncio.create_task(self._eval(start_step, start_step, "before"))
             progress = Progress(s.max_steps, start_step, enabled=world.is_main and s.progress)
+            guard = MismatchGuard(s.max_behaviour_mismatch, s.behaviour_mismatch_patience,
+                                  on_warning=self.metrics.write, announce=world.is_main)
             totals = {"wait": 0.0, "train": 0.0, "stale_sum": 0.0, "n": 0.0}
             first_reward = last_reward = None
             last_checkpoint: Path | None = latest[1] if latest else None
@@ -402,25 +428,6 @@ class Trainer:
                     train_s = time.monotonic() - t_train
 
                     version = step + 1
-                    checkpoint_s = publish_s = 0.0
-                    if world.is_main:
-                        t0 = time.monotonic()
-                        last_checkpoint = await self._in_thread(
-                            ckpt.save_checkpoint, s.run_dir, step, model, model_dir=s.model,
-                            optimizer=optimizer if s.save_optimizer else None,
-                            state={"lr": lr, "world_size": world.world_size, "settings": public_settings},
-                        )
-                        checkpoint_s = time.monotonic() - t0
-                        if step == start_step and before_task is not None:
-                            # The "before" eval must see version 0: publish only once it is done.
-                            await before_task
-                        t0 = time.monotonic()
-                        await self._publish(version, last_checkpoint)
-                        publish_s = time.monotonic() - t0
-                        # Prune only after publishing, so the previous published version stays on disk.
-                        ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
-                    await self._in_thread(world.barrier)
-
                     n = max(stats["n"], 1.0)
                     reward_mean = stats["reward_sum"] / n
                     reward_std = max(stats["reward_sq"] / n - reward_mean ** 2, 0.0) ** 0.5
@@ -436,10 +443,37 @@ class Trainer:
                         "completion_tokens_mean": stats["completion_tokens"] / n,
                         "truncated_fraction": stats["truncated"] / n,
                         "batch_wait_s": wait_s, "train_s": train_s,
-                        "checkpoint_s": checkpoint_s, "publish_s": publish_s,
+                        # Rank 0's; publish_s stays null in what is published (not known yet).
+                        "checkpoint_s": 0.0, "probe_s": 0.0, "publish_s": None,
                         "tokens_per_s": result["forward_tokens"] / train_s if train_s > 0 else None,
                         "generation_s": batch.stats.generation_seconds,
                     }
+                    if world.is_main:
+                        probe = None
+                        probe_ids = probe_token_ids(batch.samples[0], s.probe_tokens)
+                        if probe_ids is not None:
+                            # Under the weights after this step's update, i.e. the ones saved below.
+                            t0 = time.monotonic()
+                            probe = await self._in_thread(compute_probe, model, probe_ids)
+                            record["probe_s"] = time.monotonic() - t0
+                        t0 = time.monotonic()
+                        last_checkpoint = await self._in_thread(
+                            ckpt.save_checkpoint, s.run_dir, step, model, model_dir=s.model,
+                            optimizer=optimizer if s.save_optimizer else None,
+                            state={"lr": lr, "world_size": world.world_size, "settings": public_settings},
+                        )
+                        record["checkpoint_s"] = time.monotonic() - t0
+                        if step == start_step and before_task is not None:
+                            # The "before" eval must see version 0: publish only once it is done.
+                            await before_task
+                        t0 = time.monotonic()
+                        await self._publish(version, last_checkpoint, probe=probe,
+                                            metrics=published_metrics(record))
+                        record["publish_s"] = time.monotonic() - t0
+                        # Prune only after publishing, so the previous published version stays on disk.
+                        ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
+                    await self._in_thread(world.barrier)
+
                     totals["wait"] += wait_s
                     totals["train"] += train_s
                     totals["stale_sum"] += stats["stale_sum"]
@@ -452,6 +486,9 @@ class Trainer:
                         log.info(describe(record))
                         if s.eval_every and version % s.eval_every == 0 and step + 1 < s.max_steps:
                             self._eval_tasks.append(asyncio.create_task(self._eval(step + 1, version, "periodic")))
+                    # After the checkpoint and the metrics line: a stop loses no work. Every rank
+                    # sees the same all-rank value, so all of them stop at the same step.
+                    guard.observe(step, result.get("behaviour_mismatch"))
             finally:
                 progress.close()
                 if prefetch is not None:

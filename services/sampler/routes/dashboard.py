@@ -52,6 +52,8 @@ async def dashboard_data(
         "timeline": timeline(recent, published),
         "versions": [{"version": v, "published_at": t} for v, t in sorted(published.items())],
         "evals": await obs.recent_evals(),
+        # The trainer's per-step metrics, sent with each POST /weights_version (behaviour_mismatch...).
+        "trainer": await state.store.recent_trainer_metrics(batches),
         "throughput": obs.throughput_series(),
         "rollouts": list(obs.rollouts)[-rollouts:][::-1] if rollouts else [],
     }

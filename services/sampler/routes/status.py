@@ -77,6 +77,7 @@ async def get_status(state: State) -> dict[str, Any]:
         "dynamic_sampling": state.source.snapshot(),
         "curriculum": state.curriculum.snapshot(state.producer.next_step) if state.curriculum else None,
         "inference_servers": [srv.snapshot() for srv in pool.servers],
+        "trainer": (await state.store.recent_trainer_metrics(1) or [None])[-1],
         "recent_batches": recent[-20:],
         "redis": {"url": state.redis_url.split("@")[-1], "embedded": state.embedded is not None},
         "uptime_seconds": uptime,

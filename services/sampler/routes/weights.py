@@ -34,7 +34,8 @@ async def get_weights_version(state: State) -> WeightsVersion:
     response_model=WeightsVersion,
     dependencies=[Authorized],
     responses={409: {"description": "lower than the published version"},
-               422: {"description": "the inference servers refused the checkpoint"},
+               422: {"description": "the inference servers refused the checkpoint, or none computes the "
+                          "probe's logprobs"},
                502: {"description": "the inference servers that answered failed to load the checkpoint"}},
 )
 async def post_weights_version(body: WeightsVersionRequest, state: State) -> WeightsVersion:
@@ -52,19 +53,28 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
             # are brought to the published version by the fleet once they can be.
             behind = [s for s in state.pool.servers if s.state not in (DOWN, JOINING, LEAVING)
                       and (s.version is None or s.version < body.version)]
-            results = await sync.sync_all(body.version, body.checkpoint_path, behind)
+            results = await sync.sync_all(body.version, body.checkpoint_path, behind, body.probe)
             refused = [r for r in results if not r.ok and not r.unreachable]
             if refused and not any(r.ok for r in results):
-                # Servers answered, and none could load it: the checkpoint (or the servers) is
-                # broken, and publishing it would stall generation. Servers that did not answer
-                # at all do not block a publication: they are re-synced when they are back.
+                # Servers answered, and none serves it: the checkpoint (or the servers) is broken,
+                # and publishing it would stall generation or, worse, train on samples from other
+                # weights. Servers that did not answer at all do not block a publication: they are
+                # re-synced when they are back.
+                if all(r.mismatch for r in refused):
+                    detail = (f"every inference server loaded {body.checkpoint_path!r} and labelled it version "
+                              f"{body.version}, but none computes the trainer's logprobs: "
+                              + "; ".join(f"{r.url}: {r.probe.describe() if r.probe else r.error}" for r in refused)
+                              + ". They are out of rotation and the version is not published. Check that the "
+                              "servers run with Tandem's reload fix (docs/vllm.md) and load the dtype the trainer "
+                              "saved.")
+                    raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=detail)
                 errors = "; ".join(f"{r.url}: {r.error}" for r in refused)
                 code = status.HTTP_422_UNPROCESSABLE_CONTENT if all(r.client_error for r in refused) \
                     else status.HTTP_502_BAD_GATEWAY
                 raise HTTPException(code, detail=f"no inference server loaded {body.checkpoint_path!r}: {errors}")
         elif body.version > published:
             await sync.record_pushed(body.version)
-        outcome, previous = await state.store.publish_version(body.version, body.checkpoint_path)
+        outcome, previous = await state.store.publish_version(body.version, body.checkpoint_path, body.probe)
         if outcome == 0:
             raise HTTPException(
                 status.HTTP_409_CONFLICT,
@@ -72,5 +82,7 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
             )
         if outcome == 2:
             await state.store.trim_below(body.version - state.settings.keep_batches)
+            if body.metrics:
+                await state.store.add_trainer_metrics(body.version, body.metrics)
         state.notifier.notify()
     return await _current(state)

@@ -236,6 +236,10 @@ function renderServers(servers) {
     cell(tr, fmt(s.failures), "num");
     cell(tr, fmt(s.resyncs), "num");
     cell(tr, duration(s.last_sync_seconds), "num");
+    const probe = s.probe;
+    const probeText = !probe ? "–" : probe.error ? "failed"
+      : `${probe.max_abs_diff.toExponential(1)} / ${probe.max_tolerance}`;
+    cell(tr, probeText, probe ? (probe.ok ? "num healthy" : "num unhealthy") : "num");
     cell(tr, s.reason || s.error || "", "text");
     body.appendChild(tr);
     for (const e of s.events || []) events.push({ at: e.at, url: s.url, event: e.event });
@@ -316,6 +320,16 @@ function renderData(d) {
   barChart($("chart-staleness"), Object.entries(d.staleness_histogram).map(([k, v]) => ({ label: k, value: v })),
     { xlabel: "staleness (samples)" });
   timelineChart($("chart-timeline"), d.timeline, d.now);
+  // Step N's metrics arrive with version N + 1. Near 0 when inference serves the trainer's
+  // weights; nats when it does not (stale weights), whatever HTTP said.
+  const mismatch = (d.trainer || []).filter((m) => m.behaviour_mismatch != null);
+  if (mismatch.length) {
+    lineChart($("chart-mismatch"), [{ name: "behaviour_mismatch", color: COLORS.train,
+      points: mismatch.map((m) => [m.version - 1, m.behaviour_mismatch]) }],
+      { integerX: true, zeroBased: true, xlabel: "step" });
+  } else {
+    emptyChart($("chart-mismatch"), "no trainer metrics yet (the trainer sends them with each version)");
+  }
   const ago = (t) => t - d.now;
   lineChart($("chart-cps"), [{ name: "completions/s", color: COLORS.gen,
     points: d.throughput.map((p) => [ago(p.t), p.completions_per_second]) }],
