@@ -1,6 +1,6 @@
 """Body encodings for the sampler API: JSON (the default), msgpack, and msgpack with typed arrays.
 
-* `application/json`: the contract's structure (DESIGN section 3).
+* `application/json`: the contract's structure (docs/sampler-api.md, Batch body).
 * `application/msgpack`: the same structure as msgpack; every number is a msgpack number.
 * `application/vnd.tandem+msgpack` ("arrays"): the same structure again, except that a
   sample's token-aligned number lists (`ARRAY_FIELDS`) travel as msgpack ext values, each

@@ -1,4 +1,4 @@
-"""Pydantic models for every HTTP body of the sampler API (DESIGN section 3).
+"""Pydantic models for every HTTP body of the sampler API (docs/sampler-api.md).
 
 Field names here are the public contract. Models allow extra fields so that a newer
 sampler can add metadata without breaking an older trainer.

@@ -1,7 +1,8 @@
-"""Demo settings (DESIGN section 1): one pydantic-settings class, section `[demo]`.
+"""Demo settings (docs/settings.md, Demo): one pydantic-settings class, section `[demo]`.
 
-The fixed names `steps`, `max_staleness`, `on_policy`, `seed` and `run_dir` keep their
-DESIGN meaning; the rest are the knobs the demo passes on to its children as flags.
+The contract's names `steps`, `max_staleness`, `on_policy`, `seed` and `run_dir` keep the
+meaning docs/settings.md gives them; the rest are the knobs the demo passes on to its children
+as flags.
 The defaults are tuned so that `tandem demo` on a 2-core CPU takes the toy task from a
 greedy eval reward near 0 to near 1 within a few minutes (README "Demo").
 

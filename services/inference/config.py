@@ -1,4 +1,4 @@
-"""Inference settings (DESIGN sections 1 and 5): one pydantic-settings class for both backends.
+"""Inference settings (docs/settings.md, Inference): one pydantic-settings class for both backends.
 
 `backend = "cpu"` serves `model` with the in-process CPU server (`services.inference.server`);
 `backend = "vllm"` launches vLLM's OpenAI server with the flags Tandem relies on

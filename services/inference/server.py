@@ -1,5 +1,5 @@
 """The CPU inference server: a FastAPI app that speaks the subset of vLLM's HTTP API that
-Tandem uses (DESIGN section 5), so the sampler cannot tell it from `vllm serve`.
+Tandem uses (docs/inference-api.md), so the sampler cannot tell it from `vllm serve`.
 
 `create_app(settings)` builds the app; its lifespan loads the model into an `Engine`
 (batched generation, see engine.py) and closes it on shutdown. Nothing happens at import.

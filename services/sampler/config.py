@@ -1,4 +1,4 @@
-"""Sampler settings (DESIGN section 1): one pydantic-settings class."""
+"""Sampler settings (docs/settings.md, Sampler): one pydantic-settings class."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """HF-format checkpoints, written atomically, one directory per step.
 
 `run_dir/checkpoints/step-N` holds the weights after optimizer step N, i.e. weights
-version N+1 (DESIGN section 2). It is an ordinary Hugging Face model directory
+version N+1 (docs/staleness.md, Steps and versions). It is an ordinary Hugging Face model directory
 (config, safetensors, tokenizer files copied from the starting model), so vLLM's
 `reload_weights` and the CPU inference server read it directly, plus:
 

@@ -1,7 +1,7 @@
-"""Trainer settings (DESIGN sections 1-2): one pydantic-settings class, section `[trainer]`.
+"""Trainer settings (docs/settings.md, Trainer): one pydantic-settings class, section `[trainer]`.
 
 Importing this module never imports torch: `tandem trainer --help` and invalid settings
-answer before the heavy imports. The fixed names from DESIGN (`sampler_url`, `model`,
+answer before the heavy imports. The contract's names (`sampler_url`, `model`,
 `per_device_batch_size`, `grad_accum_steps`, `learning_rate`, `max_steps`, `eval_every`,
 `api_token`) keep their meaning; everything else is the trainer's own.
 """

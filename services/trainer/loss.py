@@ -63,7 +63,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """log softmax(logits / temperature)[targets], computed in float32.
 
     logits [B, T, V], targets [B, T] -> [B, T]. Dividing by the sampler's temperature
-    makes these comparable to its "processed" logprobs (DESIGN section 5). Rows are
+    makes these comparable to its "processed" logprobs (docs/inference-api.md). Rows are
     processed one at a time so the float32 copy of the logits stays one row big.
     """
     if temperature <= 0:

@@ -2,9 +2,9 @@
 
 The static part reads the compose file with PyYAML (which resolves the `<<` merge keys
 the file uses, as Compose does) and checks the structure the README promises: services
-per profile, healthchecks behind every `service_healthy`, the vLLM flags from DESIGN
-section 5, GPU reservations, the checkpoint volume shared at the same path, the batch
-shape, and `${VAR:?}` for the API token. The second part runs `docker compose config`
+per profile, healthchecks behind every `service_healthy`, the vLLM flags of
+docs/inference-api.md, GPU reservations, the checkpoint volume shared at the same path, the
+batch shape, and `${VAR:?}` for the API token. The second part runs `docker compose config`
 (or `docker-compose config`) when such a command is installed, and is skipped otherwise.
 """
 

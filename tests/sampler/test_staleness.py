@@ -1,4 +1,4 @@
-"""The staleness contract over many steps, driven by a client that knows only DESIGN section 3."""
+"""The staleness contract over many steps, driven by a client that knows only docs/sampler-api.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A minimal trainer that knows only DESIGN section 3: poll each batch, 'train', publish."""
+"""A minimal trainer that knows only docs/sampler-api.md: poll each batch, 'train', publish."""
 
 from __future__ import annotations
 

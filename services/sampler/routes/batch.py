@@ -1,4 +1,4 @@
-"""GET /batch: long-poll for a sealed batch (DESIGN section 3).
+"""GET /batch: long-poll for a sealed batch (docs/sampler-api.md, GET /batch).
 
 200 the batch (the same bytes on every read until trimmed), 204 when `timeout` passes
 first, 409 when the published version is too old for the batch ever to be generated,
