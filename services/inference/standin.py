@@ -56,11 +56,15 @@ class StandInState:
     # (standin_prompt_logprobs), so a probe computed for a checkpoint matches only after it loaded.
     weights: str = "base"
     stale_reloads: bool = False  # test hook: reloads answer 200 but keep the old weights (vLLM CPU's bug)
+    # Test hook: set while generation runs; cleared, requests freeze between tokens like a hung
+    # engine. Unlike a pause, the sampler's own weight syncs (pause ... resume) do not undo it.
+    running: asyncio.Event = field(default_factory=asyncio.Event)
     max_model_len: int = 4096
     model_id: str = "standin"
 
     def __post_init__(self) -> None:
         self.resumed.set()
+        self.running.set()
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -106,7 +110,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         temperature = float(body.get("temperature", 1.0))
         seed = body.get("seed")
         rng = random.Random(seed if seed is not None else time.perf_counter_ns())
-        if s.token_latency == 0 and s.resumed.is_set() and s.reply is None:
+        if s.token_latency == 0 and s.resumed.is_set() and s.running.is_set() and s.reply is None:
             # Instantaneous inference (throughput benchmarks): no per-token awaits at all.
             choices = [_choice(i, prompt_ids, *_sample_now(max_tokens, temperature, random.Random(rng.random())),
                                [], s.version, body) for i in range(n)]
@@ -171,6 +175,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         scripted = list(s.reply.encode()) if s.reply is not None else None
         for _ in range(max_tokens):
             await s.resumed.wait()  # a paused (keep) server freezes requests between tokens
+            await s.running.wait()
             if s.token_latency:
                 await asyncio.sleep(s.token_latency)
             if scripted is not None:
@@ -244,7 +249,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
     @app.post("/_standin/configure")
     async def configure(request: Request) -> dict[str, Any]:
         """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null,
-        "stale_reloads": bool}; omitted keys stay."""
+        "stale_reloads": bool, "hung": bool}; omitted keys stay."""
         s, body = st(request), await request.json()
         for key in ("reload_delay", "resume_delay"):
             if key in body:
@@ -253,8 +258,12 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
             s.reply = body["reply"]
         if "stale_reloads" in body:
             s.stale_reloads = bool(body["stale_reloads"])
+        if body.get("hung") is True:
+            s.running.clear()
+        elif "hung" in body:
+            s.running.set()
         return {"reload_delay": s.reload_delay, "resume_delay": s.resume_delay, "reply": s.reply,
-                "stale_reloads": s.stale_reloads}
+                "stale_reloads": s.stale_reloads, "hung": not s.running.is_set()}
 
     @app.get("/_standin/stats")
     async def stats(request: Request) -> dict[str, Any]:

@@ -143,10 +143,11 @@ def test_servers_leave_under_load_and_nothing_is_lost(tmp_path: Path, cleanup: C
     assert left.json() == {"url": leaving.url, "removed": True, "outstanding": 0, "drained": True}
     after_leave = _requests(leaving)
 
-    # A leave without waiting, then the server dies with requests in flight (paused: they
-    # cannot finish): they are regenerated on the remaining server.
+    # A leave without waiting, then the server dies with requests in flight (hung: they cannot
+    # finish): they are regenerated on the remaining server. Not a /pause: the trainer keeps
+    # publishing, and each sync's resume would let them finish.
     retries_before = httpx.get(f"{url}/status", timeout=10).json()["throughput"]["retries"]
-    httpx.post(f"{dying.url}/pause", params={"mode": "keep"})
+    httpx.post(f"{dying.url}/_standin/configure", json={"hung": True})
     wait_for(lambda: _members(url)[dying.url]["outstanding"] > 0, 30, "requests in flight to the dying server")
     gone = httpx.request("DELETE", f"{url}/inference_servers", json={"url": dying.url}, headers=AUTH,
                          params={"timeout": 0}, timeout=60)
