@@ -158,11 +158,3 @@ def write_results(results_dir: Path, name: str, result: dict[str, Any], markdown
     (results_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (results_dir / f"{name}.md").write_text(markdown.rstrip() + "\n")
 
-
-def env_int(name: str, default: int) -> int:
-    """Benchmark sizes can be shrunk from the environment (the smoke test does)."""
-    return int(os.environ.get(name, default))
-
-
-def env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))

@@ -245,10 +245,6 @@ class Engine:
     def num_running(self) -> int:
         return sum(1 for s in self._rows if not s.done)
 
-    @property
-    def num_waiting(self) -> int:
-        return sum(1 for s in self._waiting if not s.done)
-
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestError("The prompt cannot be empty.", param="prompt")

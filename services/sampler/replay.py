@@ -45,9 +45,6 @@ class Replay(Strategy):
         self.pool_size = 0
         self.served_from_pool = 0
 
-    def oldest_allowed(self, step: int) -> int:
-        return max(0, self.base_step(step) - self.max_age)
-
     @staticmethod
     def _keys(ctx: BuildContext) -> tuple[str, str]:
         return ctx.keys.replay_meta, ctx.keys.replay_data

@@ -188,10 +188,6 @@ class Rollouts:
         self.completions_done = 0
         self.tokens_done = 0
 
-    def examples_for_step(self, step: int) -> list[Example]:
-        base = step * self.prompts_per_step
-        return [self.train[self.order[base + j]] for j in range(self.prompts_per_step)]
-
     async def model(self) -> str:
         """The served model id: the setting, else the first server's /v1/models."""
         async with self._model_lock:

@@ -71,10 +71,6 @@ class Strategy:
     def required_version(self, step: int) -> int:
         return max(0, self.base_step(step) - self.k)
 
-    def oldest_allowed(self, step: int) -> int:
-        """The lowest policy_version a sample of batch `step` may carry."""
-        return self.required_version(step)
-
     async def assemble(self, ctx: BuildContext) -> list[dict[str, Any]]:
         groups = await ctx.fresh(self.settings.prompts_per_step)
         return [sample for group in groups for sample in group]

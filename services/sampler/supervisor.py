@@ -62,9 +62,6 @@ class Supervisor:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    def snapshot(self) -> dict[str, str]:
-        return {name: ("running" if not t.done() else "stopped") for name, t in self.tasks.items()}
-
     async def shutdown(self, deadline: float = 10.0) -> None:
         self._stopping = True
         for task in self.tasks.values():

@@ -168,15 +168,6 @@ class World:
 
             dist.barrier()
 
-    def broadcast_object(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def close(self) -> None:
         if self.owns_group:
             import torch.distributed as dist
