@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidato
 from shared.probe import Probe, ProbeResult
 
 FinishReason = Literal["stop", "length", "abort"]
+MAX_METRICS = 64  # keys in WeightsVersionRequest.metrics; the trainer sends at most this many
 EvalStatus = Literal["pending", "running", "done", "failed"]
 
 
@@ -104,7 +105,7 @@ class WeightsVersionRequest(BaseModel):
         "sampler loads them into must agree (shared/probe.py), or it is taken out of rotation",
     )
     metrics: dict[str, float | None] | None = Field(
-        default=None, max_length=64,
+        default=None, max_length=MAX_METRICS,
         description="the trainer's metrics for the step that made this version (behaviour_mismatch, loss, "
         "...): shown on the dashboard and in /status",
     )

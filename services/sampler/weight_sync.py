@@ -5,8 +5,9 @@ For one server: pause(keep) -> collective_rpc reload (vLLM's `reload_weights`, o
 update_weight_version -> reset_prefix_cache -> resume -> probe check (when the trainer sent
 a probe, the server must compute the trainer's logprobs before it gets work: shared/probe.py).
 Requests frozen by the pause continue on the new weights after resume, and vLLM's
-`weight_versions` spans tell which tokens came from which version. Resume runs whatever happened before it, and is retried until it succeeds:
-a server must never be left paused. While a server syncs, new requests go elsewhere.
+`weight_versions` spans tell which tokens came from which version. Resume runs whatever
+happened before it, and is retried until it succeeds: a server must never be left paused.
+While a server syncs, new requests go elsewhere.
 
 Versions are labelled with the decimal string of the integer version.
 """

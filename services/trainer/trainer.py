@@ -52,12 +52,11 @@ from services.trainer.config import TrainerSettings
 from shared import codec
 from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, VersionConflict
 from shared.settings import SettingsError
-from shared.wire import Batch
+from shared.wire import MAX_METRICS, Batch
 
 log = logging.getLogger("tandem.trainer")
 
 REQUIRED_STATUS_KEYS = ("prompts_per_step", "num_generations")
-MAX_PUBLISHED_METRICS = 64  # shared.wire.WeightsVersionRequest.metrics allows at most 64 keys
 
 
 def check_batch_shape(per_device_batch_size: int, grad_accum_steps: int, world_size: int,
@@ -223,14 +222,15 @@ def batch_stats(batch: Batch, step: int) -> dict[str, float]:
 
 def published_metrics(record: dict[str, Any]) -> dict[str, float]:
     """The step record's numbers for `POST /weights_version`'s `metrics` (the sampler shows them):
-    finite ints and floats only (no strings, bools or nulls), at most 64; the version travels apart."""
+    finite ints and floats only (no strings, bools or nulls), at most `MAX_METRICS` (the wire's
+    limit); the version travels apart."""
     out: dict[str, float] = {}
     for key, value in record.items():
         if key == "version" or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if math.isfinite(value):
             out[key] = value
-        if len(out) == MAX_PUBLISHED_METRICS:
+        if len(out) == MAX_METRICS:
             break
     return out
 
