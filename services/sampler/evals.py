@@ -20,7 +20,8 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
-from services.sampler.notify import Notifier, wait_event
+from services.sampler.notify import Notifier
+from shared.aio import wait_event
 from services.sampler.rollout import Rollouts
 
 log = logging.getLogger("tandem.sampler.evals")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from services.sampler.notify import wait_event
+from shared.aio import wait_event
 from shared.http_client import HttpClient, Reply, TransportError
 from shared.probe import ProbeResult
 

@@ -33,7 +33,8 @@ import redis.asyncio as aioredis
 from shared import codec
 from services.sampler.inference_pool import OK, InferencePool
 from services.sampler.keys import Keys
-from services.sampler.notify import Notifier, wait_event
+from services.sampler.notify import Notifier
+from shared.aio import wait_event
 from services.sampler.rollout import batch_stats
 from services.sampler.sources import FreshGroups
 from services.sampler.store import Store

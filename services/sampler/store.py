@@ -21,7 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
-from services.sampler.notify import wait_event
+from shared.aio import wait_event
 from shared.probe import Probe
 
 # KEYS: batch, sealed, meta. ARGV: step, payload, channel.

@@ -1,10 +1,10 @@
-"""The wake-up helpers: `wait_event` and the Notifier's change events."""
+"""The wake-up helpers: `shared.aio.wait_event` and the Notifier's change events."""
 
 from __future__ import annotations
 
 import asyncio
 
-from services.sampler.notify import wait_event
+from shared.aio import wait_event
 
 
 async def test_wait_event_times_out_and_wakes():
