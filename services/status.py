@@ -59,7 +59,7 @@ def render(status: dict[str, Any], url: str) -> Group:
 
     header = Text.assemble(
         ("Tandem sampler ", "bold"), (url, "cyan"),
-        f"  env {c['env']} · {c['strategy']} (k={c['max_staleness']}) · "
+        f"  env {c['env']} · {c['strategy']} (max_staleness {c['max_staleness']}) · "
         f"{c['prompts_per_step']}×{c['num_generations']} = {c['batch_size']} samples/step · "
         f"up {_duration(status.get('uptime_seconds'))}",
     )

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from shared import contract
 from shared.settings import TandemSettings
 
 
@@ -33,8 +34,10 @@ class DemoSettings(TandemSettings):
 
     # What to train.
     steps: int = Field(default=150, ge=1, description="optimizer steps")
-    max_staleness: int = Field(default=1, ge=0, description="k: batch N may use weights of version >= N - k")
-    on_policy: bool = Field(default=False, description="synchronous on-policy training (k = 0)")
+    max_staleness: int = Field(
+        default=1, ge=0, description="batch N may hold fresh samples from weights of version >= N - max_staleness"
+    )
+    on_policy: bool = Field(default=False, description="synchronous on-policy training: shorthand for max_staleness = 0")
     seed: int = Field(default=0, description="model initialisation, sampling and trainer seed")
     env: str = Field(default="toy", description="sampler environment")
     model: str | None = Field(default=None, description="start from this HF model directory instead of a fresh preset")
@@ -53,7 +56,7 @@ class DemoSettings(TandemSettings):
     temperature: float = Field(default=1.0, gt=0)
     max_tokens: int = Field(default=4, ge=1)
     learning_rate: float = Field(default=1e-3, gt=0)
-    loss: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    loss: contract.LossName = "grpo"
     eval_every: int = Field(default=10, ge=0, description="greedy eval every N steps (0: only before and after)")
     eval_examples: int = Field(default=64, ge=1)
 
@@ -69,13 +72,8 @@ class DemoSettings(TandemSettings):
     progress: bool = Field(default=True, description="live progress display (plain lines when not a terminal)")
 
     @property
-    def staleness(self) -> int:
-        """The effective k: 0 when on_policy."""
-        return 0 if self.on_policy else self.max_staleness
-
-    @property
     def batch_size(self) -> int:
-        return self.prompts_per_step * self.num_generations
+        return contract.batch_size(self.prompts_per_step, self.num_generations)
 
     @property
     def per_device_batch_size(self) -> int:
@@ -87,6 +85,7 @@ class DemoSettings(TandemSettings):
 
     @model_validator(mode="after")
     def _check(self) -> DemoSettings:
+        self.max_staleness = contract.resolve_max_staleness(self.max_staleness, self.on_policy)
         if self.batch_size % self.per_device_batch_size:
             raise ValueError(
                 f"micro_batch_size {self.micro_batch_size} does not divide the batch: prompts_per_step "

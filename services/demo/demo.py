@@ -289,7 +289,7 @@ class Demo:
                 "sampler", host=s.host, port=self.sampler_port, run_dir=self.run_dir,
                 inference_urls=self.inference_url, env=s.env, model_name=SERVED_MODEL_NAME,
                 prompts_per_step=s.prompts_per_step, num_generations=s.num_generations,
-                max_staleness=s.staleness, on_policy=s.on_policy, temperature=s.temperature,
+                max_staleness=s.max_staleness, on_policy=s.on_policy, temperature=s.temperature,
                 max_tokens=s.max_tokens, seed=s.seed, eval_examples=s.eval_examples, log_level=s.log_level,
             ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
             # The sampler needs no model: it starts while the model is written.
@@ -320,8 +320,8 @@ class Demo:
             wait_healthy(f"{self.sampler_url}/health", sampler, s.startup_timeout, self._check_children)
             self._read_redis_pid()
             self.say(f"training: {s.steps} steps of {s.prompts_per_step} prompts x "
-                     f"{s.num_generations} generations, k = {s.staleness}"
-                     f"{' (on-policy)' if s.staleness == 0 else ''}, inference: {s.backend}")
+                     f"{s.num_generations} generations, max_staleness {s.max_staleness}"
+                     f"{' (on-policy)' if s.max_staleness == 0 else ''}, inference: {s.backend}")
             self.say(f"dashboard: {self.sampler_url}/")
             startup_seconds = time.monotonic() - started
 
@@ -387,8 +387,8 @@ class Demo:
             "staleness_mean": trainer.get("staleness_mean"),
             "staleness_max": max((int(r.get("staleness_max", 0)) for r in metrics.steps), default=0),
             "trainer_wait_fraction": trainer.get("trainer_wait_fraction"),
-            "max_staleness": s.staleness,
-            "on_policy": s.staleness == 0,
+            "max_staleness": s.max_staleness,
+            "on_policy": s.max_staleness == 0,
             "seed": s.seed,
             "startup_seconds": round(startup, 2),
             "seconds_until_trained": round(until_trained, 2),
@@ -419,7 +419,7 @@ class Demo:
 
         self.say("")
         self.say("summary")
-        self.say(f"  steps                  {summary['steps']}  (k = {summary['max_staleness']}"
+        self.say(f"  steps                  {summary['steps']}  (max_staleness {summary['max_staleness']}"
                  f"{', on-policy' if summary['on_policy'] else ''}, seed {summary['seed']})")
         self.say(f"  eval reward            {num('eval_reward_before', '.2f')} -> {num('eval_reward_after', '.2f')}"
                  "  (greedy, held-out prompts)")

@@ -124,8 +124,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         supervisor.spawn("fleet", fleet.run)
         supervisor.spawn("producer", producer.run)
         await eval_jobs.resume_unfinished()
-        log.info("sampler ready: env %s, strategy %s (k=%s), %d inference server(s), redis %s",
-                 env.name, strategy.name, settings.staleness, len(pool.servers), "embedded" if embedded else "external")
+        log.info("sampler ready: env %s, strategy %s (max_staleness %s), %d inference server(s), redis %s",
+                 env.name, strategy.name, settings.max_staleness, len(pool.servers), "embedded" if embedded else "external")
         if embedded is not None:
             supervisor.spawn("embedded redis watchdog", functools.partial(watch_embedded, embedded))
         install_task_dump()

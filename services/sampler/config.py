@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from shared import contract
 from shared.settings import CommaList, TandemSettings
 
 
@@ -56,8 +57,10 @@ class SamplerSettings(TandemSettings):
     )
     prompts_per_step: int = Field(default=8, ge=1)
     num_generations: int = Field(default=8, ge=1)
-    max_staleness: int = Field(default=1, ge=0)
-    on_policy: bool = Field(default=False, description="synchronous on-policy: max_staleness = 0")
+    max_staleness: int = Field(
+        default=1, ge=0, description="batch N may hold fresh samples from weights of version >= N - max_staleness"
+    )
+    on_policy: bool = Field(default=False, description="synchronous on-policy: shorthand for max_staleness = 0")
     strategy: str = Field(default="off_policy", description="off_policy, on_policy, replay or 'pkg.mod:Class'")
     num_iterations: int = Field(
         default=1, ge=1, description="batch reuse: each generated batch is served for this many consecutive steps"
@@ -124,18 +127,15 @@ class SamplerSettings(TandemSettings):
     eval_examples: int = Field(default=64, ge=1, description="default num_examples for POST /eval")
 
     @property
-    def staleness(self) -> int:
-        """The effective k: 0 when on_policy."""
-        return 0 if self.on_policy or self.strategy == "on_policy" else self.max_staleness
-
-    @property
     def batch_size(self) -> int:
-        return self.prompts_per_step * self.num_generations
+        return contract.batch_size(self.prompts_per_step, self.num_generations)
 
     @model_validator(mode="after")
     def _check(self) -> SamplerSettings:
         if self.strategy == "on_policy":
             self.on_policy = True
+        # From here on max_staleness is the bound in force; on_policy only says how it was asked for.
+        self.max_staleness = contract.resolve_max_staleness(self.max_staleness, self.on_policy)
         if not self.inference_urls:
             raise ValueError("inference_urls is empty: give at least one inference server URL")
         for url in self.inference_urls:
@@ -144,14 +144,8 @@ class SamplerSettings(TandemSettings):
         if self.advantage == "rloo" and self.num_generations < 2:
             raise ValueError("advantage=rloo needs num_generations >= 2")
         if self.per_device_batch_size or self.grad_accum_steps or self.world_size:
-            per_device, accum, world = self.per_device_batch_size or 1, self.grad_accum_steps or 1, self.world_size or 1
-            if per_device * accum * world != self.batch_size:
-                raise ValueError(
-                    f"batch shape mismatch: per_device_batch_size {per_device} x grad_accum_steps {accum} "
-                    f"x world_size {world} = {per_device * accum * world}, but prompts_per_step "
-                    f"{self.prompts_per_step} x num_generations {self.num_generations} = {self.batch_size}; "
-                    "one sampler batch must feed exactly one optimizer step"
-                )
+            contract.check_batch_shape(self.per_device_batch_size or 1, self.grad_accum_steps or 1,
+                                       self.world_size or 1, self.prompts_per_step, self.num_generations)
         if self.keep_batches < self.num_iterations:
             raise ValueError(
                 f"keep_batches {self.keep_batches} must be >= num_iterations {self.num_iterations}: "

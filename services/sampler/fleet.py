@@ -33,7 +33,8 @@ from typing import Any
 from services.sampler.inference_pool import (
     DOWN, JOINING, LEAVING, MISMATCH, OK, RESYNCING, STALE, InferencePool, Server,
 )
-from services.sampler.notify import Notifier, wait_event
+from services.sampler.notify import Notifier
+from shared.aio import wait_event
 from services.sampler.store import Store
 from services.sampler.weight_sync import SyncStepError, WeightSync, parse_version_label
 from shared.http_client import TransportError

@@ -30,7 +30,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from shared import codec
+from shared import codec, contract
 from services.sampler.inference_pool import OK, InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
@@ -238,7 +238,8 @@ class Producer:
             await wait_event(changed, _RECHECK_SECONDS)
         samples = codec.unpack(payload)["samples"]
         for sample in samples:
-            sample["use_count"] = sample.get("use_count", 1) + (step - base)
+            sample["use_count"] = contract.use_count_after_reuse(sample.get("use_count", 1), step,
+                                                                 self.strategy.num_iterations)
         return samples
 
     async def _build(self, step: int, required: int, ticket: int | None) -> None:

@@ -36,7 +36,7 @@ class Replay(Strategy):
         self.ratio = s.replay_ratio
         self.sampling = s.replay_sampling
         self.max_reuse = s.max_reuse
-        self.max_age = max(s.max_age, self.k)
+        self.max_age = max(s.max_age, self.max_staleness)
         self.capacity = s.replay_capacity
         self.retention = s.replay_retention
         self.seed = s.seed

@@ -7,9 +7,9 @@ A strategy answers two questions, and the service asks nothing else of it:
 * `assemble(ctx)`: the samples of batch `ctx.step`, built from `ctx.fresh(...)` (new,
   scored groups for the step's prompts) and whatever state the strategy keeps.
 
-Batch reuse (`num_iterations` = mu) is common to all strategies: steps mu*g .. mu*g+mu-1
-serve the samples generated for step mu*g, so the version rule follows that base step and
-a reused sample's staleness grows by one per reuse (honestly reported per step).
+Batch reuse (`num_iterations`) is common to all strategies: the version rule and the
+reuse count are the contract's (shared/contract.py): a reused batch follows its base step,
+and a reused sample's staleness grows by one per reuse (honestly reported per step).
 
 Custom strategies are loaded by import path, `strategy = "my_pkg.module:MyStrategy"`: a
 `Strategy` subclass constructed with the sampler settings.
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.sampler.plugins import load_by_path
+from shared import contract
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -61,38 +62,38 @@ class Strategy:
 
     def __init__(self, settings: SamplerSettings):
         self.settings = settings
-        self.k = settings.staleness
-        self.mu = settings.num_iterations
+        self.max_staleness = settings.max_staleness
+        self.num_iterations = settings.num_iterations
 
     def base_step(self, step: int) -> int:
-        """The step whose generated samples batch `step` serves (itself unless mu > 1)."""
-        return step - step % self.mu
+        """The step whose generated samples batch `step` serves (itself without reuse)."""
+        return contract.base_step(step, self.num_iterations)
 
     def required_version(self, step: int) -> int:
-        return max(0, self.base_step(step) - self.k)
+        return contract.oldest_allowed_version(step, self.max_staleness, self.num_iterations)
 
     async def assemble(self, ctx: BuildContext) -> list[dict[str, Any]]:
         groups = await ctx.fresh(self.settings.prompts_per_step)
         return [sample for group in groups for sample in group]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"name": self.name, "max_staleness": self.k, "num_iterations": self.mu}
+        return {"name": self.name, "max_staleness": self.max_staleness, "num_iterations": self.num_iterations}
 
 
 class OffPolicy(Strategy):
-    """Batch N uses weights of version >= N - k (k = max_staleness); k = 1 overlaps one step."""
+    """Batch N uses weights of version >= N - max_staleness; max_staleness 1 overlaps one step."""
 
     name = "off_policy"
 
 
 class OnPolicy(Strategy):
-    """k = 0: batch N only from version N; generation and training alternate."""
+    """max_staleness 0: batch N only from version N; generation and training alternate."""
 
     name = "on_policy"
 
     def __init__(self, settings: SamplerSettings):
         super().__init__(settings)
-        self.k = 0
+        self.max_staleness = 0
 
 
 def builtins() -> dict[str, type[Strategy]]:

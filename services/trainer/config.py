@@ -12,10 +12,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from shared import contract
 from shared.probe import MAX_PROBE_TOKENS
 from shared.settings import TandemSettings
 
-LossType = Literal["grpo", "dapo", "dr_grpo"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -45,7 +45,7 @@ class TrainerSettings(TandemSettings):
     num_iterations: int = Field(default=1, ge=1, description="optimisation passes (mu) over each batch")
 
     # Loss.
-    loss: LossType = Field(default="grpo", description="grpo: per-sequence mean; dapo: per-token mean; dr_grpo: sum / constant")
+    loss: contract.LossName = Field(default="grpo", description="grpo: per-sequence mean; dapo: per-token mean; dr_grpo: sum / constant")
     epsilon_low: float = Field(default=0.2, ge=0, description="lower clip: ratio >= 1 - epsilon_low")
     epsilon_high: float | None = Field(default=None, description="upper clip: ratio <= 1 + epsilon_high; unset = epsilon_low")
     tis_cap: float | None = Field(

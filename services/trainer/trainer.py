@@ -49,60 +49,31 @@ from pathlib import Path
 from typing import Any
 
 from services.trainer.config import TrainerSettings
-from shared import codec
+from shared import codec, contract
 from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, VersionConflict
+from shared.contract import SamplerConfig
 from shared.settings import SettingsError
 from shared.wire import MAX_METRICS, Batch
 
 log = logging.getLogger("tandem.trainer")
 
-REQUIRED_STATUS_KEYS = ("prompts_per_step", "num_generations")
-
-
-def check_batch_shape(per_device_batch_size: int, grad_accum_steps: int, world_size: int,
-                      prompts_per_step: int, num_generations: int) -> int:
-    """Refuse (SettingsError: exit status 2) unless trainer and sampler agree on the batch size."""
-    trainer_side = per_device_batch_size * grad_accum_steps * world_size
-    sampler_side = prompts_per_step * num_generations
-    if trainer_side != sampler_side:
-        hint = ""
-        per_rank = sampler_side / world_size
-        if per_rank == int(per_rank) and int(per_rank) % per_device_batch_size == 0:
-            hint = f"; e.g. --grad-accum-steps {int(per_rank) // per_device_batch_size}"
-        raise SettingsError(
-            "batch shape mismatch: the trainer consumes per_device_batch_size "
-            f"({per_device_batch_size}) x grad_accum_steps ({grad_accum_steps}) x world_size "
-            f"({world_size}) = {trainer_side} samples per step, but the sampler seals "
-            f"prompts_per_step ({prompts_per_step}) x num_generations ({num_generations}) = "
-            f"{sampler_side}; make the two products equal{hint}"
-        )
-    return trainer_side
-
-
-def check_reuse(trainer_iterations: int, sampler_iterations: int) -> None:
-    """Batch reuse happens in one place: the sampler (steps serve a batch again) or the
-    trainer (several updates per step), not both, which would square the reuse silently."""
-    if trainer_iterations > 1 and sampler_iterations > 1:
-        raise SettingsError(
-            f"both the trainer (num_iterations {trainer_iterations}) and the sampler (num_iterations "
-            f"{sampler_iterations}) reuse batches: each batch would be trained on "
-            f"{trainer_iterations * sampler_iterations} times; set one of them to 1"
-        )
-
-
-def sampler_config(status: dict[str, Any]) -> dict[str, Any]:
-    config = status.get("config")
-    if not isinstance(config, dict) or any(k not in config for k in REQUIRED_STATUS_KEYS):
-        raise SettingsError(
-            "the sampler's GET /status has no config with prompts_per_step and num_generations; "
-            f"cannot check the batch shape (got keys {sorted(status)})"
-        )
+def accept_sampler_config(status: Any, settings: TrainerSettings, world_size: int) -> SamplerConfig:
+    """The sampler's config block from `GET /status`, once it agrees with these settings on the
+    contract (shared/contract.py): batch shape and batch reuse. Refuses with SettingsError
+    (exit status 2) naming the numbers."""
+    try:
+        config = SamplerConfig.from_status(status)
+        contract.check_batch_shape(settings.per_device_batch_size, settings.grad_accum_steps, world_size,
+                                   config.prompts_per_step, config.num_generations)
+        contract.check_reuse(settings.num_iterations, config.num_iterations)
+    except contract.ContractError as exc:
+        raise SettingsError(str(exc)) from None
     return config
 
 
-def resolve_temperature(settings: TrainerSettings, config: dict[str, Any]) -> float:
+def resolve_temperature(settings: TrainerSettings, config: SamplerConfig) -> float:
     """The trainer must score with the temperature the sampler sampled with."""
-    sampler_t = config.get("temperature")
+    sampler_t = config.temperature
     if settings.temperature is None:
         if sampler_t is None:
             log.warning("sampler /status does not report a temperature; assuming 1.0")
@@ -320,13 +291,9 @@ class Trainer:
         own_client = self._client is None
         self.client = self._client or SamplerClient(s.sampler_url, api_token=s.api_token, poll_timeout=s.poll_timeout)
         try:
-            config = sampler_config(await self.client.status())
-            check_batch_shape(s.per_device_batch_size, s.grad_accum_steps, world.world_size,
-                              int(config["prompts_per_step"]), int(config["num_generations"]))
-            check_reuse(s.num_iterations, int(config.get("num_iterations", 1) or 1))
+            config = accept_sampler_config(await self.client.status(), s, world.world_size)
             temperature = resolve_temperature(s, config)
-            max_len = s.max_completion_length or config.get("max_tokens")
-            max_staleness = int(config.get("max_staleness", 0) or 0)
+            max_len = s.max_completion_length or config.max_tokens
             loss_cfg = LossConfig(loss_type=s.loss, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
                                   tis_cap=s.tis_cap, beta=s.beta, temperature=temperature,
                                   max_completion_length=int(max_len) if max_len else None)
@@ -362,7 +329,7 @@ class Trainer:
                                     "world_size": world.world_size, "device": str(world.device),
                                     "dtype": str(dtype), "temperature": temperature,
                                     "resumed_from": str(latest[1]) if latest else None,
-                                    "sampler_config": config, "settings": public_settings})
+                                    "sampler_config": config.model_dump(), "settings": public_settings})
                 log.info("trainer: steps %d..%d, %d rank(s) on %s, loss %s, temperature %g%s",
                          start_step, s.max_steps - 1, world.world_size, world.device, s.loss, temperature,
                          f", resumed from {latest[1]}" if latest else "")
@@ -404,7 +371,7 @@ class Trainer:
                             f"per_device_batch_size ({s.per_device_batch_size}) x grad_accum_steps "
                             f"({s.grad_accum_steps}) = {expected}"
                         )
-                    if max_staleness >= 1 and step + 1 < s.max_steps:
+                    if contract.can_prefetch(config.max_staleness) and step + 1 < s.max_steps:
                         # Batch N+1 may use version N (already published): fetch it while training.
                         prefetch = asyncio.create_task(
                             self.client.get_batch(step + 1, world.rank, world.world_size, timeout=s.batch_timeout)

@@ -6,46 +6,41 @@ import pytest
 
 from services.trainer.config import TrainerSettings
 from services.trainer.entrypoint import main
-from services.trainer.trainer import (
-    check_batch_shape,
-    learning_rate,
-    resolve_temperature,
-    sampler_config,
-)
+from services.trainer.trainer import accept_sampler_config, learning_rate, resolve_temperature
+from shared.contract import SamplerConfig
 from shared.settings import SettingsError, build
 
 
-def test_shape_mismatch_names_every_number() -> None:
+def test_sampler_config_is_checked_against_the_trainer_settings() -> None:
+    """The contract's refusals reach the trainer's user as SettingsError (exit status 2)."""
+    settings = build(TrainerSettings, {"model": "m", "per_device_batch_size": "4", "grad_accum_steps": "2"})
+    config = accept_sampler_config({"config": {"prompts_per_step": 2, "num_generations": 4}}, settings, 1)
+    assert config.num_generations == 4 and config.max_staleness == 0
     with pytest.raises(SystemExit) as info:
-        check_batch_shape(per_device_batch_size=3, grad_accum_steps=5, world_size=2,
-                          prompts_per_step=7, num_generations=11)
-    assert info.value.code == 2
-    message = str(info.value)
-    for needle in ("per_device_batch_size (3)", "grad_accum_steps (5)", "world_size (2)", "= 30",
-                   "prompts_per_step (7)", "num_generations (11)", "= 77"):
-        assert needle in message, (needle, message)
-
-
-def test_shape_match_and_hint() -> None:
-    assert check_batch_shape(4, 4, 2, 8, 4) == 32
-    with pytest.raises(SettingsError, match="--grad-accum-steps 8"):
-        check_batch_shape(4, 2, 1, 8, 4)
-
-
-def test_status_without_config_is_refused() -> None:
+        accept_sampler_config({"config": {"prompts_per_step": 4, "num_generations": 4}}, settings, 1)
+    assert info.value.code == 2 and "--grad-accum-steps 4" in str(info.value)
     with pytest.raises(SettingsError, match="prompts_per_step"):
-        sampler_config({"steps": {}})
-    assert sampler_config({"config": {"prompts_per_step": 2, "num_generations": 4}})["num_generations"] == 4
+        accept_sampler_config({"steps": {}}, settings, 1)
+    with pytest.raises(SettingsError, match="num_generations"):
+        accept_sampler_config({"config": {"prompts_per_step": 2, "num_generations": "many"}}, settings, 1)
+    reusing = build(TrainerSettings, {"model": "m", "per_device_batch_size": "4", "grad_accum_steps": "2",
+                                      "num_iterations": "3"})
+    with pytest.raises(SettingsError, match="trained on 6 times"):
+        accept_sampler_config({"config": {"prompts_per_step": 2, "num_generations": 4, "num_iterations": 2}},
+                              reusing, 1)
 
 
 def test_temperature_comes_from_the_sampler_and_must_match() -> None:
     settings = build(TrainerSettings, {"model": "m"})
-    assert resolve_temperature(settings, {"temperature": 0.7}) == 0.7
+    def sampled_at(temperature: float) -> SamplerConfig:
+        return SamplerConfig(prompts_per_step=1, num_generations=1, temperature=temperature)
+
+    assert resolve_temperature(settings, sampled_at(0.7)) == 0.7
     with pytest.raises(SettingsError, match="greedy"):
-        resolve_temperature(settings, {"temperature": 0.0})
+        resolve_temperature(settings, sampled_at(0.0))
     pinned = build(TrainerSettings, {"model": "m", "temperature": "0.9"})
     with pytest.raises(SettingsError, match=r"--temperature 0.9 differs from the sampler's temperature 0.7"):
-        resolve_temperature(pinned, {"temperature": 0.7})
+        resolve_temperature(pinned, sampled_at(0.7))
 
 
 def test_settings_flags_and_disabling() -> None:
@@ -61,13 +56,3 @@ def test_settings_flags_and_disabling() -> None:
 def test_cli_without_model_exits_2_with_a_reason(capsys) -> None:
     assert main([], prog="tandem trainer") == 2
     assert "model is required" in capsys.readouterr().err
-
-
-def test_batch_reuse_in_both_places_is_refused():
-    from services.trainer.trainer import check_reuse
-    from shared.settings import SettingsError
-
-    check_reuse(1, 4)
-    check_reuse(3, 1)
-    with pytest.raises(SettingsError, match="trained on 6 times"):
-        check_reuse(3, 2)

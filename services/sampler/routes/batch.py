@@ -14,7 +14,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from starlette.background import BackgroundTask
 
 from services.sampler.deps import State
-from services.sampler.notify import wait_event
+from shared.aio import wait_event
 from shared import codec
 
 router = APIRouter(tags=["batch"])

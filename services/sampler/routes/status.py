@@ -9,6 +9,7 @@ from fastapi import APIRouter
 
 from services.sampler.deps import State
 from services.sampler.observability import extend_status
+from shared.contract import SamplerConfig
 
 router = APIRouter(tags=["status"])
 
@@ -24,26 +25,14 @@ async def get_status(state: State) -> dict[str, Any]:
     last = recent[-1] if recent else None
     ready = [step for step in sealed if step >= meta["version"]]
     body = {
-        "config": {
-            "namespace": s.namespace,
-            "env": s.env,
-            "strategy": state.strategy.name,
-            "prompts_per_step": s.prompts_per_step,
-            "num_generations": s.num_generations,
-            "batch_size": s.batch_size,
-            "max_staleness": s.staleness,
-            "on_policy": s.staleness == 0,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_tokens": state.rollouts.max_tokens,
-            "max_concurrency": s.max_concurrency,
-            "advantage": s.advantage,
-            "seed": s.seed,
-            "keep_batches": s.keep_batches,
-            "num_iterations": s.num_iterations,
-            "filter_zero_variance": s.filter_zero_variance,
-            "inference_urls": s.inference_urls,
-        },
+        "config": SamplerConfig(
+            namespace=s.namespace, env=s.env, strategy=state.strategy.name,
+            prompts_per_step=s.prompts_per_step, num_generations=s.num_generations, batch_size=s.batch_size,
+            max_staleness=s.max_staleness, on_policy=s.max_staleness == 0, num_iterations=s.num_iterations,
+            temperature=s.temperature, top_p=s.top_p, max_tokens=state.rollouts.max_tokens,
+            max_concurrency=s.max_concurrency, advantage=s.advantage, seed=s.seed, keep_batches=s.keep_batches,
+            filter_zero_variance=s.filter_zero_variance, inference_urls=s.inference_urls,
+        ).model_dump(),
         "steps": {
             **state.producer.snapshot(),
             "sealed_steps": sealed,

@@ -1,0 +1,55 @@
+"""The rules both sides agree on (shared/contract.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import contract
+from shared.contract import ContractError, SamplerConfig
+
+
+def test_shape_mismatch_names_every_number() -> None:
+    with pytest.raises(ContractError) as info:
+        contract.check_batch_shape(per_device_batch_size=3, grad_accum_steps=5, world_size=2,
+                                   prompts_per_step=7, num_generations=11)
+    message = str(info.value)
+    for needle in ("per_device_batch_size (3)", "grad_accum_steps (5)", "world_size (2)", "= 30",
+                   "prompts_per_step (7)", "num_generations (11)", "= 77"):
+        assert needle in message, (needle, message)
+
+
+def test_shape_match_and_hint() -> None:
+    assert contract.check_batch_shape(4, 4, 2, 8, 4) == 32
+    with pytest.raises(ContractError, match="--grad-accum-steps 8"):
+        contract.check_batch_shape(4, 2, 1, 8, 4)
+
+
+def test_batch_reuse_in_both_places_is_refused() -> None:
+    contract.check_reuse(1, 4)
+    contract.check_reuse(3, 1)
+    with pytest.raises(ContractError, match="trained on 6 times"):
+        contract.check_reuse(3, 2)
+
+
+def test_staleness_bound_and_reuse_window() -> None:
+    assert contract.resolve_max_staleness(3, on_policy=True) == 0
+    assert contract.resolve_max_staleness(3, on_policy=False) == 3
+    # max_staleness 1: batch 5 may come from version 4; never below version 0.
+    assert [contract.oldest_allowed_version(s, 1) for s in (0, 1, 5)] == [0, 0, 4]
+    # Reuse over 3 steps: steps 6, 7, 8 serve step 6's samples, so they share its bound.
+    assert [contract.base_step(s, 3) for s in (6, 7, 8, 9)] == [6, 6, 6, 9]
+    assert [contract.oldest_allowed_version(s, 2, 3) for s in (6, 7, 8)] == [4, 4, 4]
+    assert [contract.use_count_after_reuse(1, s, 3) for s in (6, 7, 8)] == [1, 2, 3]
+    assert contract.staleness(7, 5) == 2
+    assert not contract.can_prefetch(0) and contract.can_prefetch(1)
+
+
+def test_status_config_block_is_validated() -> None:
+    config = SamplerConfig.from_status({"config": {"prompts_per_step": 2, "num_generations": 4, "future": 1}})
+    assert (config.prompts_per_step, config.num_generations, config.max_staleness) == (2, 4, 0)
+    with pytest.raises(ContractError, match="prompts_per_step"):
+        SamplerConfig.from_status({"steps": {}})
+    with pytest.raises(ContractError, match="max_staleness"):
+        SamplerConfig.from_status({"config": {"prompts_per_step": 2, "num_generations": 4, "max_staleness": -1}})
+    with pytest.raises(ContractError):
+        SamplerConfig.from_status(["not", "a", "status"])
