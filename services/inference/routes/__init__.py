@@ -1,0 +1,1 @@
+"""The CPU inference server's routes: one APIRouter per resource."""

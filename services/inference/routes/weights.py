@@ -1,0 +1,84 @@
+"""Weight updates, as a sampler drives them: pause, reload, relabel, resume.
+
+* `POST /pause?mode=abort|wait|keep` (default abort, as vLLM) -> `{"status": "paused"}`;
+  `POST /resume` -> `{"status": "resumed"}`; `GET /is_paused` -> `{"is_paused": bool}`.
+* `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` ->
+  `{"results": [null]}` (one entry per worker; the CPU server has one). The same with
+  `"method": "tandem_reload_weights"` -> `{"results": [{"weights_path", "seconds", "repacked": [],
+  "reprocessed": 0}]}`, the answer of Tandem's vLLM worker extension (vllm_ext.py), so a sampler
+  may call that name on every Tandem server. Other methods: 400.
+* `POST /update_weight_version {"new_version": str}` -> `{"success": true, "new_version": str}`;
+  `GET /weight_info` -> `{"weight_version": str}`.
+* `POST /reset_prefix_cache` -> `{"success": true}` (the CPU engine keeps no prefix cache).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Query
+
+from services.inference import protocol as P
+from services.inference.deps import EngineDep
+from services.inference.engine import RequestError
+from services.inference.vllm_ext import RELOAD_METHOD
+
+router = APIRouter(tags=["weights"])
+
+
+@router.post("/pause")
+async def pause(eng: EngineDep, mode: str = Query("abort"),
+                wait_for_inflight_requests: bool = Query(False), clear_cache: bool = Query(True)):
+    # clear_cache is accepted for vLLM compatibility; there is no prefix cache to clear.
+    if wait_for_inflight_requests:
+        mode = "wait"
+    await eng.pause(mode)  # type: ignore[arg-type]
+    return {"status": "paused"}
+
+
+@router.post("/resume")
+async def resume(eng: EngineDep):
+    await eng.resume()
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused")
+async def is_paused(eng: EngineDep):
+    return {"is_paused": eng.is_paused}
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(req: P.CollectiveRpcRequest, eng: EngineDep):
+    if req.method not in ("reload_weights", RELOAD_METHOD):
+        raise RequestError(
+            f"collective_rpc method {req.method!r} is not supported by the CPU inference server; "
+            f"supported: reload_weights, {RELOAD_METHOD}", param="method",
+        )
+    path = req.kwargs.get("weights_path")
+    if path is not None and not isinstance(path, str):
+        raise RequestError("kwargs.weights_path must be a string path", param="weights_path")
+    started = time.perf_counter()
+    await eng.reload_weights(path)
+    if req.method == "reload_weights":
+        return {"results": [None]}
+    # The CPU engine multiplies by its parameters directly: there is nothing to repack.
+    return {"results": [{"weights_path": str(path or eng.model_path),
+                         "seconds": round(time.perf_counter() - started, 4),
+                         "repacked": [], "reprocessed": 0}]}
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(req: P.UpdateWeightVersionRequest, eng: EngineDep):
+    eng.set_weight_version(req.new_version)
+    return {"success": True, "new_version": req.new_version}
+
+
+@router.get("/weight_info")
+async def weight_info(eng: EngineDep):
+    return {"weight_version": eng.weight_version}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(reset_running_requests: bool = Query(False), reset_external: bool = Query(False)):
+    # Both flags are accepted for vLLM compatibility; there is no prefix cache to reset.
+    return {"success": True}
