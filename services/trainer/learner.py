@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.collate import MicroBatch, split_micro_batches
-from services.trainer.loss import LOSS_TYPES, loss_normalizer, policy_loss, token_logprobs
+from services.trainer.loss import loss_normalizer, policy_loss, token_logprobs
+from shared.contract import LOSS_NAMES
 from shared.wire import Sample
 
 log = logging.getLogger("tandem.trainer.learner")
@@ -44,8 +45,8 @@ class LossConfig:
     max_completion_length: int | None = None
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"unknown loss {self.loss_type!r}; expected one of {LOSS_TYPES}")
+        if self.loss_type not in LOSS_NAMES:
+            raise ValueError(f"unknown loss {self.loss_type!r}; expected one of {LOSS_NAMES}")
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:

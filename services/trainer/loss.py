@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+from shared.contract import LOSS_NAMES
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -107,7 +107,7 @@ def loss_normalizer(loss_type: str, tokens_per_sequence: torch.Tensor, max_compl
         if not max_completion_length:
             raise ValueError("dr_grpo needs max_completion_length (the constant L)")
         return float(tokens_per_sequence.numel() * max_completion_length)
-    raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_TYPES}")
+    raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_NAMES}")
 
 
 @dataclass
@@ -146,8 +146,8 @@ def policy_loss(
     is None (the ratio is then against `behaviour`). `normalizer` is the global
     normaliser of the whole optimizer batch (`loss_normalizer`, summed).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_TYPES}")
+    if loss_type not in LOSS_NAMES:
+        raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_NAMES}")
     if beta and ref is None:
         raise ValueError("beta > 0 needs reference logprobs `ref`")
     eps_high = epsilon_low if epsilon_high is None else epsilon_high

@@ -1,10 +1,10 @@
-"""Trainer observability: JSONL metrics, optional TensorBoard, a progress display.
+"""Trainer observability: JSONL metrics, optional TensorBoard, a progress bar.
 
 `run_dir/trainer_metrics.jsonl` gets one JSON object per line, appended and flushed as
 it happens, so a crashed run keeps everything up to the crash and a resumed run appends:
 
 * `{"event": "step", "step": N, "version": N+1, "loss": ..., "reward_mean": ..., ...}`
-  after every optimizer step (keys listed in `Trainer.train_step`'s result);
+  after every optimizer step (keys: `step_record` in services/trainer/trainer.py);
 * `{"event": "eval", "step": N, "version": v, "reward": ..., "result": {...}}` when an
   eval result arrives;
 * `{"event": "start" | "end", ...}` around a run.
@@ -91,8 +91,8 @@ class MetricsLogger:
             self._tb = None
 
 
-class Progress:
-    """A one-line live display on rank 0 (rich), or nothing."""
+class ProgressBar:
+    """The trainer's one-line live progress bar on rank 0 (rich), or nothing."""
 
     def __init__(self, total: int, start: int, enabled: bool):
         self._progress = None

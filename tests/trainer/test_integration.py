@@ -238,8 +238,8 @@ class RecordingClient(SamplerClient):
 @pytest.mark.timeout(180)
 async def test_publishes_a_probe_the_servers_pass_and_the_step_metrics(stack, tiny_model_dir: Path,
                                                                        tmp_path: Path) -> None:
+    from services.trainer.model_setup import load_model
     from services.trainer.probe import compute_probe
-    from services.trainer.trainer import load_model
 
     sampler, _ = stack
     run_dir = tmp_path / "trainer"
