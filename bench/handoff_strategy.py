@@ -7,8 +7,9 @@ NX + PUBLISH), the on-sealed hooks, and `GET /batch` served by the process that 
 Only inference is skipped: a 64 MiB batch of real completions would take the stand-in
 minutes to write as JSON, and none of that is hand-off.
 
-A build waits at a gate until the benchmark pushes to `<prefix>bench:go:<step>` in Redis,
-so the benchmark decides when the batch is sealed: after its `GET /batch` is parked.
+A build waits at a gate until the benchmark pushes to `<prefix>bench:go:<step>` in Redis
+(the sampler's `redis_url`, reached with a client of this strategy's own), so the benchmark
+decides when the batch is sealed: after its `GET /batch` is parked.
 
 Each batch holds `prompts_per_step * num_generations` samples of PROMPT_TOKENS prompt and
 COMPLETION_TOKENS completion tokens, ids below 50,000, float64 logprobs and texts, cycled
@@ -20,7 +21,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from services.sampler.strategy import BuildContext, Strategy
+import redis.asyncio as aioredis
+
+from services.sampler.keys import Keys
+from services.sampler.strategies import BuildContext, Strategy
 
 PROMPT_TOKENS, COMPLETION_TOKENS = 128, 512
 
@@ -50,9 +54,13 @@ class SyntheticBatches(Strategy):
         super().__init__(settings)
         rng = random.Random(0)
         self.pool = [make_sample(rng, i, settings.num_generations) for i in range(64)]
+        if not settings.redis_url:
+            raise ValueError("the hand-off benchmark's strategy needs an external redis_url (its gate)")
+        self.prefix = Keys(settings.namespace).prefix
 
     async def assemble(self, ctx: BuildContext) -> list[dict[str, Any]]:
-        while not await ctx.redis.blpop([gate(ctx.keys.prefix, ctx.step)], timeout=60):
-            pass
-        count = self.settings.prompts_per_step * self.settings.num_generations
+        async with aioredis.from_url(self.settings.redis_url) as redis:
+            while not await redis.blpop([gate(self.prefix, ctx.step)], timeout=60):
+                pass
+        count = self.settings.batch_size
         return [{**self.pool[i % len(self.pool)], "policy_version": ctx.min_version} for i in range(count)]

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
+from services.sampler import guards
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler.envs import Environment, load_environment
@@ -26,17 +27,20 @@ from services.sampler.fleet import Fleet
 from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
+from services.sampler.observability.http import HttpMetricsMiddleware
+from services.sampler.observability.metrics import SamplerMetrics
+from services.sampler.observability.recent import RecentRollouts
+from services.sampler.observability.throughput import ThroughputHistory
 from services.sampler.producer import Producer
 from services.sampler.redis_server import start_embedded, watch_embedded
+from services.sampler.replay_store import ReplayPool
 from services.sampler.rollout import Rollouts
-from services.sampler.sources import FreshGroups
-from services.sampler.observability import HttpMetricsMiddleware, Observability
 from services.sampler.rollout_log import RolloutLog
-from services.sampler import guards
 from services.sampler.routes import batch, dashboard, evals, health, inference_servers, metrics, status, weights
+from services.sampler.sources import FreshGroups
 from services.sampler.state import SamplerState
 from services.sampler.store import Store
-from services.sampler.strategy import Strategy, load_strategy
+from services.sampler.strategies import Strategy, load_strategy
 from services.sampler.supervisor import Supervisor, install_task_dump
 from services.sampler.weight_sync import WeightSync
 from shared.http_client import HttpClient
@@ -95,28 +99,33 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                              seed=settings.seed, filter_zero_variance=settings.filter_zero_variance,
                              max_oversample=settings.max_oversample, curriculum=curriculum)
         producer = Producer(store=store, notifier=notifier, pool=pool, source=source, strategy=strategy,
-                            redis=redis, keys=keys, env_name=env.name, claim_ttl=settings.claim_ttl)
+                            replay_pool=ReplayPool(redis, keys), env_name=env.name, claim_ttl=settings.claim_ttl)
         fleet = Fleet(pool, store, weight_sync, notifier, initial_urls=settings.inference_urls, owner=producer.owner,
                       check_interval=settings.server_check_interval, check_timeout=settings.server_check_timeout)
         eval_jobs = Evals(redis, keys, notifier, rollouts_for, lessons=curriculum.lessons if curriculum else None,
                           concurrency=settings.eval_concurrency or max(1, settings.max_concurrency // 4),
                           default_examples=settings.eval_examples)
+        # Observability: a per-app metrics registry, the throughput history, the dashboard's
+        # recent rollouts, and the Parquet rollout log.
+        metrics = SamplerMetrics(pool=pool, rollouts=rollouts, producer=producer, store=store)
+        throughput = ThroughputHistory(rollouts)
+        recent_rollouts = RecentRollouts()
+        producer.on_sealed.append(metrics.on_sealed)
+        producer.on_sealed.append(recent_rollouts.on_sealed)
+        weight_sync.on_synced.append(metrics.on_synced)
+        rollout_log = None
+        if settings.rollout_log:
+            # Each file waits for its batch's hand-off to a trainer, at most a second.
+            rollout_log = RolloutLog(
+                settings.run_dir / "rollouts", wait_for_handoff=lambda step: store.wait_served(step, 1.0))
+            producer.on_sealed.append(rollout_log.on_sealed)
         state = SamplerState(settings=settings, redis=redis, redis_url=redis_url, embedded=embedded, store=store,
                              notifier=notifier, http=http, pool=pool, rollouts=rollouts, strategy=strategy,
                              producer=producer, weight_sync=weight_sync, fleet=fleet, evals=eval_jobs,
                              rollouts_for=rollouts_for,
-                             source=source, curriculum=curriculum)
-        state.extra["supervisor"] = supervisor
-        # Observability: a per-app metrics registry, and the Parquet rollout log.
-        observability = state.extra["observability"] = Observability(state)
-        producer.on_sealed.append(observability.on_sealed)
-        weight_sync.on_synced.append(observability.on_synced)
-        if settings.rollout_log:
-            # Each file waits for its batch's hand-off to a trainer, at most a second.
-            rollout_log = state.extra["rollout_log"] = RolloutLog(
-                settings.run_dir / "rollouts", wait_for_handoff=lambda step: store.wait_served(step, 1.0))
-            producer.on_sealed.append(rollout_log.on_sealed)
-        supervisor.spawn("throughput", observability.run)
+                             source=source, curriculum=curriculum, supervisor=supervisor, metrics=metrics,
+                             throughput=throughput, recent_rollouts=recent_rollouts, rollout_log=rollout_log)
+        supervisor.spawn("throughput", throughput.run)
 
         supervisor.spawn("events", notifier.run)
         await asyncio.wait_for(notifier.connected.wait(), 10)

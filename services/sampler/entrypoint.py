@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
 
     from services.sampler.app import create_app
     from services.sampler.envs import load_environment
-    from services.sampler.strategy import load_strategy
+    from services.sampler.strategies import load_strategy
 
     try:
         strategy = load_strategy(settings)

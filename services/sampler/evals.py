@@ -50,6 +50,14 @@ class Evals:
         raw = await self.r.get(self.keys.eval(eval_id))
         return json.loads(raw) if raw else None
 
+    async def recent(self, count: int) -> list[dict[str, Any]]:
+        """The records of the last `count` jobs, oldest first; jobs dropped meanwhile are skipped."""
+        ids = await self.r.zrange(self.keys.evals, -count, -1)
+        if not ids:
+            return []
+        raws = await self.r.mget([self.keys.eval(i.decode()) for i in ids])
+        return [json.loads(raw) for raw in raws if raw]
+
     async def start(self, request: dict[str, Any]) -> str:
         self.rollouts_for(request.get("env"))  # fail now, with a 4xx, if the env is unknown
         eval_id = uuid.uuid4().hex[:16]

@@ -28,17 +28,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-
-from shared import codec, contract
 from services.sampler.inference_pool import OK, InferencePool
-from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
-from shared.aio import wait_event
-from services.sampler.rollout import batch_stats
+from services.sampler.replay_store import ReplayPool
+from services.sampler.rollout import summarize_batch
 from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
-from services.sampler.strategy import BuildContext, Strategy
+from services.sampler.strategies import BuildContext, Strategy
+from shared import codec, contract
+from shared.aio import wait_event
 
 log = logging.getLogger("tandem.sampler.producer")
 
@@ -50,7 +48,9 @@ _STOP_SECONDS = 5.0
 
 
 @dataclass
-class Progress:
+class BuildProgress:
+    """Where the build of one batch stands (GET /status, steps.in_progress)."""
+
     step: int
     min_version: int
     started_at: float = field(default_factory=time.time)
@@ -64,17 +64,17 @@ def _task_step(task: asyncio.Task) -> int:
 
 class Producer:
     def __init__(self, *, store: Store, notifier: Notifier, pool: InferencePool, source: FreshGroups,
-                 strategy: Strategy, redis: aioredis.Redis, keys: Keys, env_name: str,
+                 strategy: Strategy, replay_pool: ReplayPool, env_name: str,
                  claim_ttl: float = 10.0):
         self.store = store
         self.notifier = notifier
         self.pool = pool
         self.source = source
         self.strategy = strategy
-        self.redis = redis
-        self.keys = keys
+        # The replay strategy's pool (strategies see it as BuildContext.replay_pool).
+        self.replay_pool = replay_pool
         self.env_name = env_name
-        self.in_progress: dict[int, Progress] = {}
+        self.in_progress: dict[int, BuildProgress] = {}
         self.next_step = 0
         self.last_sealed: int | None = None
         self.last_error: str | None = None
@@ -223,8 +223,8 @@ class Producer:
         base = self.strategy.base_step(step)
         if ticket is None:
             return await self._reuse(step, base), {"reused_from_step": base}
-        ctx = BuildContext(step=step, min_version=required, source=self.source, redis=self.redis,
-                           keys=self.keys, env_name=self.env_name, ticket=ticket)
+        ctx = BuildContext(step=step, min_version=required, source=self.source, replay_pool=self.replay_pool,
+                           env_name=self.env_name, ticket=ticket)
         samples = await self.strategy.assemble(ctx)
         return samples, ctx.stats
 
@@ -243,7 +243,7 @@ class Producer:
         return samples
 
     async def _build(self, step: int, required: int, ticket: int | None) -> None:
-        progress = self.in_progress[step] = Progress(step, required)
+        progress = self.in_progress[step] = BuildProgress(step, required)
         delay = 0.5
         keeper = asyncio.create_task(self._keep_claim(step), name=f"claim-{step}")
         try:
@@ -251,7 +251,7 @@ class Producer:
                 progress.attempts += 1
                 try:
                     samples, extra = await self._samples(step, required, ticket)
-                    stats = {**batch_stats(step, samples, progress.started_at, time.time()), **extra}
+                    stats = {**summarize_batch(step, samples, progress.started_at, time.time()).model_dump(), **extra}
                     # The arrays form, also for the on-sealed hooks: the rollout log builds its
                     # token columns from these arrays without touching each number.
                     payload = codec.with_arrays({"step": step, "samples": samples, "stats": stats})

@@ -19,6 +19,8 @@ import numpy as np
 from services.sampler.advantages import group_advantages
 from services.sampler.envs.base import Completion, Environment, Example, gather_now
 from services.sampler.inference_pool import InferencePool, InferenceRequestError, WentBackwards
+from shared.contract import staleness
+from shared.wire import BatchStats, new_sample
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -63,29 +65,29 @@ class Group:
         prompt_id, prompt_text = self.example.prompt_id, self.example.prompt
         group_id, info = self.group_id, self.info
         rewards, parts, advantages, versions = self.rewards, self.reward_parts, self.advantages, self.policy_versions
-        out = []
-        for i, c in enumerate(self.completions):
-            out.append({
-                "prompt_id": prompt_id,
-                "group_id": group_id,
-                "prompt_token_ids": c.prompt_token_ids,
-                "completion_token_ids": c.token_ids,
-                "completion_logprobs": c.logprobs,
-                "loss_mask": c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids),
-                "reward": rewards[i],
-                "rewards": parts[i],
-                "advantage": advantages[i],
-                "policy_version": versions[i],
-                "finish_reason": c.finish_reason,
-                "use_count": 1,
-                "env": env_name,
-                "sample_index": i,
-                "versions": c.versions,
-                "prompt_text": prompt_text,
-                "completion_text": c.text,
+        return [
+            new_sample(
+                prompt_id=prompt_id,
+                group_id=group_id,
+                prompt_token_ids=c.prompt_token_ids,
+                completion_token_ids=c.token_ids,
+                completion_logprobs=c.logprobs,
+                loss_mask=c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids),
+                reward=rewards[i],
+                rewards=parts[i],
+                advantage=advantages[i],
+                policy_version=versions[i],
+                finish_reason=c.finish_reason,
+                use_count=1,
+                env=env_name,
+                sample_index=i,
+                versions=c.versions,
+                prompt_text=prompt_text,
+                completion_text=c.text,
                 **info,
-            })
-        return out
+            )
+            for i, c in enumerate(self.completions)
+        ]
 
 
 def _label_version(label: Any) -> int | None:
@@ -251,9 +253,10 @@ class Rollouts:
         )
 
 
-def batch_stats(step: int, samples: list[dict[str, Any]], started_at: float, sealed_at: float) -> dict[str, Any]:
+def summarize_batch(step: int, samples: list[dict[str, Any]], started_at: float, sealed_at: float) -> BatchStats:
+    """The stats of batch `step` (the `stats` of its body), from its samples."""
     rewards = np.array([s["reward"] for s in samples], dtype=float)
-    staleness = [step - s["policy_version"] for s in samples]
+    stale = [staleness(step, s["policy_version"]) for s in samples]
     finish: dict[str, int] = {}
     versions: dict[str, int] = {}
     parts: dict[str, list[float]] = {}
@@ -263,22 +266,22 @@ def batch_stats(step: int, samples: list[dict[str, Any]], started_at: float, sea
         versions[key] = versions.get(key, 0) + 1
         for name, value in s["rewards"].items():
             parts.setdefault(name, []).append(value)
-    return {
-        "step": step,
-        "num_samples": len(samples),
-        "num_groups": len({s["group_id"] for s in samples}),
-        "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
-        "staleness_max": int(max(staleness, default=0)),
-        "staleness_min": int(min(staleness, default=0)),
-        "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
-        "reward_std": float(rewards.std()) if len(rewards) else 0.0,
-        "rewards_mean": {k: float(np.mean(v)) for k, v in parts.items()},
-        "completion_tokens_mean": float(np.mean([len(s["completion_token_ids"]) for s in samples])) if samples else 0.0,
-        "finish_reasons": finish,
-        "policy_versions": versions,
-        "generation_started_at": started_at,
-        "sealed_at": sealed_at,
-        "generation_seconds": sealed_at - started_at,
-        "use_count_mean": float(np.mean([s.get("use_count", 1) for s in samples])) if samples else 0.0,
-        "use_count_max": int(max((s.get("use_count", 1) for s in samples), default=0)),
-    }
+    return BatchStats(
+        step=step,
+        num_samples=len(samples),
+        num_groups=len({s["group_id"] for s in samples}),
+        staleness_mean=float(np.mean(stale)) if stale else 0.0,
+        staleness_max=int(max(stale, default=0)),
+        staleness_min=int(min(stale, default=0)),
+        reward_mean=float(rewards.mean()) if len(rewards) else 0.0,
+        reward_std=float(rewards.std()) if len(rewards) else 0.0,
+        rewards_mean={k: float(np.mean(v)) for k, v in parts.items()},
+        completion_tokens_mean=float(np.mean([len(s["completion_token_ids"]) for s in samples])) if samples else 0.0,
+        finish_reasons=finish,
+        policy_versions=versions,
+        generation_started_at=started_at,
+        sealed_at=sealed_at,
+        generation_seconds=sealed_at - started_at,
+        use_count_mean=float(np.mean([s.get("use_count", 1) for s in samples])) if samples else 0.0,
+        use_count_max=int(max((s.get("use_count", 1) for s in samples), default=0)),
+    )

@@ -42,6 +42,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from shared.contract import staleness
+
 log = logging.getLogger("tandem.sampler.rollout_log")
 
 # Sample keys with their own column; anything else goes to `extra`.
@@ -135,7 +137,7 @@ def _column(payload: dict[str, Any], name: str) -> list[Any]:
     if name == "step":
         return [step] * len(samples)
     if name == "staleness":
-        return [step - s["policy_version"] for s in samples]
+        return [staleness(step, s["policy_version"]) for s in samples]
     if name == "sealed_at":
         return [payload.get("stats", {}).get("sealed_at")] * len(samples)
     if name == "extra":

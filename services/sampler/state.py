@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -16,12 +15,17 @@ from services.sampler.evals import Evals
 from services.sampler.fleet import Fleet
 from services.sampler.inference_pool import InferencePool
 from services.sampler.notify import Notifier
+from services.sampler.observability.metrics import SamplerMetrics
+from services.sampler.observability.recent import RecentRollouts
+from services.sampler.observability.throughput import ThroughputHistory
 from services.sampler.producer import Producer
 from services.sampler.redis_server import EmbeddedRedis
 from services.sampler.rollout import Rollouts
+from services.sampler.rollout_log import RolloutLog
 from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
-from services.sampler.strategy import Strategy
+from services.sampler.strategies import Strategy
+from services.sampler.supervisor import Supervisor
 from services.sampler.weight_sync import WeightSync
 from shared.http_client import HttpClient
 
@@ -45,7 +49,13 @@ class SamplerState:
     rollouts_for: Callable[[str | None], Rollouts]
     source: FreshGroups
     curriculum: Curriculum | None
+    supervisor: Supervisor
+    # Observability (services/sampler/observability): the Prometheus registry, the
+    # throughput history, the dashboard's recent rollouts; the Parquet rollout log when enabled.
+    metrics: SamplerMetrics
+    throughput: ThroughputHistory
+    recent_rollouts: RecentRollouts
+    rollout_log: RolloutLog | None
     started_at: float = field(default_factory=time.time)
     # Set when the server begins a graceful shutdown: long-polls return at once.
     closing: asyncio.Event = field(default_factory=asyncio.Event)
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from services.sampler.observability import staleness_histogram, timeline
+from services.sampler.observability.views import staleness_histogram, timeline
 from tests.observability.support import run_eval, train_steps
 from tests.support.servers import REPO
 

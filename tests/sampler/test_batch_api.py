@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from shared import codec
+from shared.wire import BatchStats, Sample, new_sample
 
 
 async def test_batch_200_is_identical_on_every_read(make_sampler):
@@ -30,6 +31,26 @@ async def test_batch_200_is_identical_on_every_read(make_sampler):
             assert len(sample["loss_mask"]) == len(sample["completion_token_ids"])
         again = await http.get("/batch", params={"step": 0, "timeout": 1})
         assert again.content == first.content
+
+
+async def test_produced_samples_and_stats_are_the_shared_definitions(make_sampler):
+    """What the sampler seals is what the trainer reads: every sample validates as
+    `shared.wire.Sample` and carries no key that Sample does not declare (so the sampler cannot
+    grow a second, private idea of a sample); the stats validate as `BatchStats`."""
+    sampler = make_sampler(curriculum='[{"lessons": {"toy": 1}}]')
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        body = (await http.get("/batch", params={"step": 0, "timeout": 20})).json()
+    declared = set(Sample.model_fields)
+    for raw in body["samples"]:
+        assert set(raw) <= declared, sorted(set(raw) - declared)
+        sample = Sample.model_validate(raw)
+        assert sample.env == sample.lesson == "toy" and sample.use_count == 1
+        assert sample.versions == [sample.policy_version] and sample.created_at is not None
+    stats = BatchStats.model_validate(body["stats"])
+    assert (stats.step, stats.num_samples) == (0, len(body["samples"]))
+    assert set(BatchStats.model_fields) <= set(body["stats"])
+    with pytest.raises(TypeError, match="advantage"):
+        new_sample(**{k: v for k, v in body["samples"][0].items() if k != "advantage"})
 
 
 async def test_msgpack_carries_the_same_structure_as_json(make_sampler):

@@ -15,7 +15,8 @@ import pytest
 
 from services.sampler import rollout_log
 from services.sampler.envs.base import Completion, Environment, Example, Reward, gather_now, run_now
-from services.sampler.observability import Observability, _StateCollector
+from services.sampler.observability.metrics import SamplerMetrics, _StateCollector
+from services.sampler.observability.recent import RecentRollouts
 from services.sampler.rollout import parse_completions
 from services.sampler.rollout_log import RolloutLog, to_table
 
@@ -270,18 +271,21 @@ async def test_rollout_log_reports_a_failed_write(tmp_path):
 
 def test_observability_on_sealed_counts_every_sample_and_keeps_the_last_ones(monkeypatch):
     monkeypatch.setattr(_StateCollector, "collect", lambda self: iter(()))
-    obs = Observability(state=None)  # type: ignore[arg-type]
+    metrics = SamplerMetrics(pool=None, rollouts=None, producer=None, store=None)  # type: ignore[arg-type]
+    recent = RecentRollouts()
     samples = [sample(i, completion_text=f"c{i}", completion_token_ids=[1] * (i % 5)) for i in range(500)]
-    obs.on_sealed({"step": 3, "samples": samples, "stats": {"reward_mean": 0.5, "generation_seconds": 0.1}})
+    payload = {"step": 3, "samples": samples, "stats": {"reward_mean": 0.5, "generation_seconds": 0.1}}
+    metrics.on_sealed(payload)
+    recent.on_sealed(payload)
 
     def value(name, suffix=""):
-        return obs.registry.get_sample_value(name + suffix)
+        return metrics.registry.get_sample_value(name + suffix)
 
     assert value("tandem_sampler_sealed_completion_tokens", "_total") == sum(i % 5 for i in range(500))
     assert value("tandem_sampler_samples_sealed", "_total") == 500
     assert value("tandem_sampler_reward", "_count") == 500
     assert value("tandem_sampler_staleness", "_count") == 500
-    ring = list(obs.rollouts)
-    assert len(ring) == obs.rollouts.maxlen
-    assert [r["completion"] for r in ring] == [f"c{i}" for i in range(500 - obs.rollouts.maxlen, 500)]
+    ring = list(recent.ring)
+    assert len(ring) == recent.ring.maxlen
+    assert [r["completion"] for r in ring] == [f"c{i}" for i in range(500 - recent.ring.maxlen, 500)]
     assert ring[-1]["tokens"] == 499 % 5 and ring[-1]["step"] == 3

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
 from services.sampler.deps import State
-from services.sampler.observability import staleness_histogram, timeline
+from services.sampler.observability.views import recent_evals, staleness_histogram, timeline
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -36,10 +36,9 @@ async def dashboard_data(
     batches: Annotated[int, Query(ge=1, le=256, description="recent batches to include (the store keeps 256)")] = 200,
     rollouts: Annotated[int, Query(ge=0, le=200, description="recent rollouts to include")] = 100,
 ) -> dict[str, Any]:
-    obs = state.extra["observability"]
     # Seal order is not step order when k >= 1; charts want steps in order.
     recent = sorted(await state.store.recent_batch_stats(batches), key=lambda b: b["step"])
-    published = await obs.version_times()
+    published = await state.store.version_publish_times()
     return {
         "now": time.time(),
         "batches": [
@@ -51,9 +50,9 @@ async def dashboard_data(
         "staleness_histogram": staleness_histogram(recent),
         "timeline": timeline(recent, published),
         "versions": [{"version": v, "published_at": t} for v, t in sorted(published.items())],
-        "evals": await obs.recent_evals(),
+        "evals": await recent_evals(state.evals),
         # The trainer's per-step metrics, sent with each POST /weights_version (behaviour_mismatch...).
         "trainer": await state.store.recent_trainer_metrics(batches),
-        "throughput": obs.throughput_series(),
-        "rollouts": list(obs.rollouts)[-rollouts:][::-1] if rollouts else [],
+        "throughput": state.throughput.series(),
+        "rollouts": state.recent_rollouts.latest(rollouts),
     }

@@ -1,7 +1,7 @@
 """GET /metrics: the sampler's Prometheus metrics (text exposition format).
 
-The registry belongs to this app's `Observability` (state.extra["observability"]);
-see services/sampler/observability.py for the metric names.
+The registry belongs to this app's `SamplerMetrics` (state.metrics); see
+services/sampler/observability/metrics.py for the metric names.
 """
 
 from __future__ import annotations
@@ -16,5 +16,5 @@ router = APIRouter(tags=["metrics"])
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(state: State) -> Response:
-    body = await state.extra["observability"].render()
+    body = await state.metrics.render()
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from services.sampler.deps import State
-from services.sampler.observability import extend_status
+from services.sampler.observability.views import extend_status
 from shared.contract import SamplerConfig
 
 router = APIRouter(tags=["status"])

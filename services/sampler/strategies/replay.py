@@ -10,21 +10,18 @@ order, so a run is reproducible. The pool is capped at `replay_capacity` groups 
 evicted first); `newest_per_prompt` retention keeps only the newest policy version's group
 per prompt. Every served sample reports `use_count`, the times it has been served.
 
-Redis layout (keys under the run namespace): `replay:meta` hash group_id -> JSON metadata
-(prompt_id, policy_version, use_count, created_step, priority); `replay:data` hash
-group_id -> msgpack list of samples. Metadata and data change together in MULTI blocks.
+This module is the policy; the pool's state (metadata and samples per group, each draw and
+each addition one atomic write) is `ctx.replay_pool`, services/sampler/replay_store.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import numpy as np
 
-from shared import codec
-from services.sampler.strategy import BuildContext, Strategy
+from services.sampler.strategies.base import BuildContext, Strategy
 
 
 class Replay(Strategy):
@@ -44,10 +41,6 @@ class Replay(Strategy):
         self._cond = asyncio.Condition()
         self.pool_size = 0
         self.served_from_pool = 0
-
-    @staticmethod
-    def _keys(ctx: BuildContext) -> tuple[str, str]:
-        return ctx.keys.replay_meta, ctx.keys.replay_data
 
     async def assemble(self, ctx: BuildContext) -> list[dict[str, Any]]:
         per_step = self.settings.prompts_per_step
@@ -70,14 +63,9 @@ class Replay(Strategy):
         ctx.stats.update({"replay_groups": len(drawn), "fresh_groups": len(fresh), "replay_pool_size": self.pool_size})
         return [s for group in fresh + drawn for s in group]
 
-    async def _pool(self, ctx: BuildContext) -> dict[str, dict[str, Any]]:
-        meta_key, _ = self._keys(ctx)
-        raw = await ctx.redis.hgetall(meta_key)
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
-
     async def _draw(self, ctx: BuildContext, want: int) -> list[list[dict[str, Any]]]:
-        meta_key, data_key = self._keys(ctx)
-        pool = await self._pool(ctx)
+        store = ctx.replay_pool
+        pool = await store.entries()
         step = ctx.step
         expired = [gid for gid, m in pool.items() if step - m["policy_version"] > self.max_age]
         eligible = sorted(
@@ -91,27 +79,17 @@ class Replay(Strategy):
             take = min(want, len(eligible))
             index = rng.choice(len(eligible), size=take, replace=False, p=weights / weights.sum())
             chosen = [eligible[i] for i in sorted(index)]
-        groups = []
-        if chosen:
-            blobs = await ctx.redis.hmget(data_key, chosen)
-            for gid, blob in zip(chosen, blobs):
-                samples = codec.unpack(blob)
-                uses = pool[gid]["use_count"] + 1
-                for sample in samples:
-                    sample["use_count"] = uses
-                pool[gid]["use_count"] = uses
-                groups.append(samples)
-        async with ctx.redis.pipeline(transaction=True) as tx:
-            for gid in chosen:
-                if pool[gid]["use_count"] >= self.max_reuse:
-                    tx.hdel(meta_key, gid)
-                    tx.hdel(data_key, gid)
-                else:
-                    tx.hset(meta_key, gid, json.dumps(pool[gid]))
-            for gid in expired:
-                tx.hdel(meta_key, gid)
-                tx.hdel(data_key, gid)
-            await tx.execute()
+        groups = await store.samples(chosen)
+        for gid, samples in zip(chosen, groups):
+            uses = pool[gid]["use_count"] + 1
+            for sample in samples:
+                sample["use_count"] = uses
+            pool[gid]["use_count"] = uses
+        # Served groups stay while they may be served again; used-up and too old ones leave.
+        await store.record_draw(
+            {gid: pool[gid] for gid in chosen if pool[gid]["use_count"] < self.max_reuse},
+            [gid for gid in chosen if pool[gid]["use_count"] >= self.max_reuse] + expired,
+        )
         self.served_from_pool += len(groups)
         return groups
 
@@ -124,36 +102,40 @@ class Replay(Strategy):
 
     async def _add(self, ctx: BuildContext, groups: list[list[dict[str, Any]]]) -> None:
         """Fresh groups (served once, now) enter the pool if they may be served again."""
-        meta_key, data_key = self._keys(ctx)
+        store = ctx.replay_pool
         if self.max_reuse <= 1 or not groups:
-            self.pool_size = await ctx.redis.hlen(meta_key)
+            self.pool_size = await store.size()
             return
-        pool = await self._pool(ctx)
-        async with ctx.redis.pipeline(transaction=True) as tx:
-            for samples in groups:
-                first = samples[0]
-                gid = first["group_id"]
-                version = min(s["policy_version"] for s in samples)
-                if self.retention == "newest_per_prompt":
-                    for other, m in list(pool.items()):
-                        if m["prompt_id"] == first["prompt_id"] and m["policy_version"] <= version:
-                            tx.hdel(meta_key, other)
-                            tx.hdel(data_key, other)
-                            del pool[other]
-                meta = {"prompt_id": first["prompt_id"], "policy_version": version, "use_count": 1,
-                        "created_step": ctx.step,
-                        "priority": float(np.mean([abs(s["advantage"]) for s in samples]))}
-                pool[gid] = meta
-                tx.hset(meta_key, gid, json.dumps(meta))
-                tx.hset(data_key, gid, codec.pack(samples))
-            # Capacity: evict the oldest groups (then the lowest ids) beyond the cap.
-            excess = len(pool) - self.capacity
-            if excess > 0:
-                for gid in sorted(pool, key=lambda g: (pool[g]["created_step"], g))[:excess]:
-                    tx.hdel(meta_key, gid)
-                    tx.hdel(data_key, gid)
-                    del pool[gid]
-            await tx.execute()
+        pool = await store.entries()
+        # The pool as it will be, and the writes that make it so (the last decision per group wins).
+        added: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+        removed: set[str] = set()
+
+        def remove(gid: str) -> None:
+            del pool[gid]
+            added.pop(gid, None)
+            removed.add(gid)
+
+        for samples in groups:
+            first = samples[0]
+            gid = first["group_id"]
+            version = min(s["policy_version"] for s in samples)
+            if self.retention == "newest_per_prompt":
+                for other, m in list(pool.items()):
+                    if m["prompt_id"] == first["prompt_id"] and m["policy_version"] <= version:
+                        remove(other)
+            meta = {"prompt_id": first["prompt_id"], "policy_version": version, "use_count": 1,
+                    "created_step": ctx.step,
+                    "priority": float(np.mean([abs(s["advantage"]) for s in samples]))}
+            pool[gid] = meta
+            added[gid] = (meta, samples)
+            removed.discard(gid)
+        # Capacity: evict the oldest groups (then the lowest ids) beyond the cap.
+        excess = len(pool) - self.capacity
+        if excess > 0:
+            for gid in sorted(pool, key=lambda g: (pool[g]["created_step"], g))[:excess]:
+                remove(gid)
+        await store.record_add(added, removed)
         self.pool_size = len(pool)
 
     def snapshot(self) -> dict[str, Any]:

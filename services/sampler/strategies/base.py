@@ -20,14 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from services.sampler.plugins import load_by_path
 from shared import contract
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
-
     from services.sampler.config import SamplerSettings
-    from services.sampler.keys import Keys
+    from services.sampler.replay_store import ReplayPool
     from services.sampler.sources import FreshGroups
 
 
@@ -38,8 +35,8 @@ class BuildContext:
     step: int
     min_version: int
     source: FreshGroups
-    redis: aioredis.Redis
-    keys: Keys
+    # The run's replay pool in Redis (services/sampler/replay_store.py), shared by replicas.
+    replay_pool: ReplayPool
     env_name: str
     # Builds are numbered in the order the producer starts them (0, 1, ... per process);
     # strategies with shared state use it to act in that order.
@@ -78,36 +75,3 @@ class Strategy:
 
     def snapshot(self) -> dict[str, Any]:
         return {"name": self.name, "max_staleness": self.max_staleness, "num_iterations": self.num_iterations}
-
-
-class OffPolicy(Strategy):
-    """Batch N uses weights of version >= N - max_staleness; max_staleness 1 overlaps one step."""
-
-    name = "off_policy"
-
-
-class OnPolicy(Strategy):
-    """max_staleness 0: batch N only from version N; generation and training alternate."""
-
-    name = "on_policy"
-
-    def __init__(self, settings: SamplerSettings):
-        super().__init__(settings)
-        self.max_staleness = 0
-
-
-def builtins() -> dict[str, type[Strategy]]:
-    from services.sampler.replay import Replay
-
-    return {"off_policy": OffPolicy, "on_policy": OnPolicy, "replay": Replay}
-
-
-def load_strategy(settings: SamplerSettings) -> Strategy:
-    name = "on_policy" if settings.on_policy and settings.strategy == "off_policy" else settings.strategy
-    known = builtins()
-    if name in known:
-        return known[name](settings)
-    strategy = load_by_path(name, "strategy", list(known))(settings)
-    if not isinstance(strategy, Strategy):
-        raise ValueError(f"strategy {name!r} is a {type(strategy).__name__}, not a Strategy subclass")
-    return strategy

@@ -1,0 +1,175 @@
+"""The sampler's Prometheus metrics: a private registry, event metrics and a scrape-time collector.
+
+Event metrics are observed as they happen (`on_sealed`, `on_synced`, `observe_request`);
+the numbers the sampler already keeps are read by `_StateCollector` at scrape time. Metric
+names start with `tandem_sampler_`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.sampler.inference_pool import OK, STATES
+
+if TYPE_CHECKING:
+    from services.sampler.inference_pool import InferencePool
+    from services.sampler.producer import Producer
+    from services.sampler.rollout import Rollouts
+    from services.sampler.store import Store
+    from services.sampler.weight_sync import SyncResult
+
+REWARD_BUCKETS = (-2.0, -1.0, -0.5, -0.25, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.5, 2.0, 5.0)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LONG_POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _StateCollector(Collector):
+    """Counters and gauges read from the live sampler state at scrape time."""
+
+    def __init__(self, metrics: SamplerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Any]:
+        m = self.metrics
+        pool, rollouts, producer = m.pool, m.rollouts, m.producer
+        yield CounterMetricFamily("tandem_sampler_completions", "completions generated with the run's environment (training and its evals)",
+                                  value=rollouts.completions_done)
+        yield CounterMetricFamily("tandem_sampler_completion_tokens", "completion tokens generated with the run's environment (training and its evals)",
+                                  value=rollouts.tokens_done)
+        yield CounterMetricFamily("tandem_sampler_inference_errors", "failed inference attempts (5xx, transport)",
+                                  value=pool.stats.errors)
+        yield CounterMetricFamily("tandem_sampler_inference_retries", "inference attempts retried",
+                                  value=pool.stats.retries)
+        requests = CounterMetricFamily("tandem_sampler_inference_requests", "inference requests sent, per server",
+                                       labels=["server"])
+        failures = CounterMetricFamily("tandem_sampler_inference_failures", "failed inference requests, per server",
+                                       labels=["server"])
+        version = GaugeMetricFamily("tandem_sampler_server_version", "weights version a server serves (-1: unknown)",
+                                    labels=["server"])
+        healthy = GaugeMetricFamily("tandem_sampler_server_healthy",
+                                    "1 when the server is in rotation and its last request succeeded", labels=["server"])
+        states = GaugeMetricFamily("tandem_sampler_server_state",
+                                   "1 for the state each inference server is in (ok: in rotation; see /status for why not)",
+                                   labels=["server", "state"])
+        resyncs = CounterMetricFamily("tandem_sampler_server_resyncs",
+                                      "re-syncs of an inference server that restarted or fell behind", labels=["server"])
+        probe_diff = GaugeMetricFamily("tandem_sampler_probe_max_abs_diff",
+                                       "largest |server - trainer| prompt logprob in the server's last probe (nats)",
+                                       labels=["server"])
+        probe_failures = CounterMetricFamily("tandem_sampler_probe_failures",
+                                             "syncs whose probe showed the server does not compute the trainer's "
+                                             "logprobs", labels=["server"])
+        outstanding = GaugeMetricFamily("tandem_sampler_server_outstanding", "requests outstanding per server",
+                                        labels=["server"])
+        for server in pool.servers:
+            requests.add_metric([server.url], server.requests)
+            failures.add_metric([server.url], server.failures)
+            version.add_metric([server.url], -1 if server.version is None else server.version)
+            healthy.add_metric([server.url], 1 if server.state == OK and server.consecutive_failures == 0 else 0)
+            outstanding.add_metric([server.url], server.outstanding)
+            for name in STATES:
+                states.add_metric([server.url, name], 1 if server.state == name else 0)
+            resyncs.add_metric([server.url], server.resyncs)
+            probe_failures.add_metric([server.url], server.probe_failures)
+            if server.last_probe is not None and server.last_probe.max_abs_diff is not None:
+                probe_diff.add_metric([server.url], server.last_probe.max_abs_diff)
+        yield from (requests, failures, version, healthy, outstanding, states, resyncs, probe_diff, probe_failures)
+        yield CounterMetricFamily("tandem_sampler_inference_answers_dropped",
+                                  "answers dropped because their server had lost its weights (restarted)",
+                                  value=pool.stats.backwards)
+        yield GaugeMetricFamily("tandem_sampler_in_flight_requests", "inference requests in flight",
+                                value=pool.in_flight)
+        yield GaugeMetricFamily("tandem_sampler_batches_in_progress", "batches being generated",
+                                value=len(producer.in_progress))
+        yield GaugeMetricFamily("tandem_sampler_next_step", "next step the producer will start",
+                                value=producer.next_step)
+        cached = m.cached
+        if "published_version" in cached:
+            yield GaugeMetricFamily("tandem_sampler_published_version", "latest published weights version",
+                                    value=cached["published_version"])
+            yield GaugeMetricFamily("tandem_sampler_batches_ready", "sealed batches not yet consumed",
+                                    value=cached["batches_ready"])
+
+
+class SamplerMetrics:
+    """This app's metrics registry: the event metrics, and the collector over the live state."""
+
+    def __init__(self, *, pool: InferencePool, rollouts: Rollouts, producer: Producer, store: Store):
+        self.pool, self.rollouts, self.producer, self.store = pool, rollouts, producer, store
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter("tandem_sampler_http_requests", "HTTP requests served",
+                                     ["method", "route", "status"], registry=r)
+        self.http_seconds = Histogram("tandem_sampler_http_request_seconds", "HTTP request duration",
+                                      ["method", "route"], buckets=SECONDS_BUCKETS, registry=r)
+        self.batch_wait = Histogram("tandem_sampler_batch_wait_seconds",
+                                    "GET /batch long-poll wait, by answer (200 ready, 204 timed out, ...)",
+                                    ["status"], buckets=LONG_POLL_BUCKETS, registry=r)
+        self.batches_sealed = Counter("tandem_sampler_batches_sealed", "batches sealed by this process", registry=r)
+        self.samples_sealed = Counter("tandem_sampler_samples_sealed", "samples in sealed batches", registry=r)
+        self.sealed_tokens = Counter("tandem_sampler_sealed_completion_tokens",
+                                     "completion tokens in sealed batches", registry=r)
+        self.reward = Histogram("tandem_sampler_reward", "reward of each sealed sample",
+                                buckets=REWARD_BUCKETS, registry=r)
+        self.staleness = Histogram("tandem_sampler_staleness", "staleness (step - policy_version) of each sealed sample",
+                                   buckets=STALENESS_BUCKETS, registry=r)
+        self.seal_latency = Histogram("tandem_sampler_batch_seal_seconds",
+                                      "seconds from starting a batch to sealing it", buckets=SECONDS_BUCKETS, registry=r)
+        self.last_reward = Gauge("tandem_sampler_last_batch_reward_mean", "mean reward of the last sealed batch",
+                                 registry=r)
+        self.last_step = Gauge("tandem_sampler_last_sealed_step", "step of the last sealed batch", registry=r)
+        self.weight_sync = Histogram("tandem_sampler_weight_sync_seconds", "weight sync duration per server",
+                                     ["server", "outcome"], buckets=SECONDS_BUCKETS, registry=r)
+        self.weight_syncs = Counter("tandem_sampler_weight_syncs", "weight syncs per server and outcome",
+                                    ["server", "outcome"], registry=r)
+        # Values the sync collector cannot fetch itself (they live in Redis); refreshed by
+        # `refresh()` before each scrape.
+        self.cached: dict[str, Any] = {}
+        r.register(_StateCollector(self))
+
+    # --- hooks ---------------------------------------------------------------------------
+
+    def on_sealed(self, payload: dict[str, Any]) -> None:
+        step, samples, stats = payload["step"], payload["samples"], payload["stats"]
+        self.batches_sealed.inc()
+        self.samples_sealed.inc(len(samples))
+        self.last_step.set(step)
+        self.last_reward.set(stats.get("reward_mean", 0.0))
+        if stats.get("generation_seconds") is not None:
+            self.seal_latency.observe(stats["generation_seconds"])
+        reward, staleness = self.reward.observe, self.staleness.observe
+        tokens = 0
+        for s in samples:
+            reward(s["reward"])
+            staleness(step - s["policy_version"])
+            tokens += len(s["completion_token_ids"])
+        self.sealed_tokens.inc(tokens)
+
+    def on_synced(self, result: SyncResult) -> None:
+        outcome = "ok" if result.ok else "failed"
+        self.weight_sync.labels(result.url, outcome).observe(result.seconds)
+        self.weight_syncs.labels(result.url, outcome).inc()
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(method, route, str(status)).inc()
+        self.http_seconds.labels(method, route).observe(seconds)
+        if route == "/batch" and method == "GET":
+            self.batch_wait.labels(str(status)).observe(seconds)
+
+    # --- scrape --------------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        meta = await self.store.meta()
+        sealed = await self.store.sealed_steps()
+        self.cached = {"published_version": meta["version"],
+                       "batches_ready": len([s for s in sealed if s >= meta["version"]])}
+
+    async def render(self) -> bytes:
+        await self.refresh()
+        return generate_latest(self.registry)

@@ -1,0 +1,83 @@
+"""Views shared by /status and the dashboard: staleness histogram, timeline, eval summaries.
+
+Pure functions over the store's per-batch stats and publish times, plus `extend_status`,
+which adds the observability facts to a /status body.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.sampler.evals import Evals
+    from services.sampler.state import SamplerState
+
+
+def staleness_histogram(batches: list[dict[str, Any]]) -> dict[str, int]:
+    """Samples per staleness value over `batches` (from each batch's policy_versions counts)."""
+    counts: dict[int, int] = {}
+    for b in batches:
+        for version, n in (b.get("policy_versions") or {}).items():
+            staleness = b["step"] - int(version)
+            counts[staleness] = counts.get(staleness, 0) + n
+    return {str(k): counts[k] for k in sorted(counts)}
+
+
+def timeline(batches: list[dict[str, Any]], published: dict[int, float]) -> list[dict[str, Any]]:
+    """Generation and training intervals per step.
+
+    Generation of batch N: from `generation_started_at` to `sealed_at` (measured).
+    Training of step N is derived: the trainer needs batch N sealed and version N
+    published (it publishes N when it finishes step N-1), and it publishes version N+1
+    when step N is done. So training spans max(sealed_at(N), published(N)) to
+    published(N+1); version 0 is never published, so step 0 starts at its seal.
+    Steps whose training has not finished have `train_end` null.
+    """
+    rows = []
+    for b in sorted(batches, key=lambda b: b["step"]):  # seal order is not step order when k >= 1
+        step = b["step"]
+        start = b.get("sealed_at")
+        if step > 0 and step in published:
+            start = max(start or 0.0, published[step])
+        elif step > 0:
+            start = None  # version N not published yet: training has not started
+        rows.append({
+            "step": step,
+            "gen_start": b.get("generation_started_at"),
+            "gen_end": b.get("sealed_at"),
+            "train_start": start,
+            "train_end": published.get(step + 1) if start is not None else None,
+        })
+    return rows
+
+
+async def recent_evals(evals: Evals, count: int = 50) -> list[dict[str, Any]]:
+    """The last `count` eval jobs, oldest first, summarised (no request, no per-example output)."""
+    out = []
+    for record in await evals.recent(count):
+        result = record.get("result") or {}
+        out.append({
+            "eval_id": record["eval_id"], "status": record["status"],
+            "created_at": record.get("created_at"), "finished_at": record.get("finished_at"),
+            "env": result.get("env"), "num_examples": result.get("num_examples"),
+            "reward_mean": result.get("reward_mean"), "policy_version": result.get("policy_version"),
+            "error": record.get("error"),
+        })
+    return out
+
+
+async def extend_status(state: SamplerState, body: dict[str, Any], recent: list[dict[str, Any]]) -> None:
+    """Add the observability facts to a /status body (existing keys are kept as they are)."""
+    published = await state.store.version_publish_times(50)
+    body["versions"]["published_at"] = published.get(body["versions"]["published"])
+    body["staleness"]["histogram"] = staleness_histogram(recent)
+    body["throughput"].update(state.throughput.recent_rates())
+    evals = [e for e in await recent_evals(state.evals, 10) if e["status"] == "done"]
+    last = recent[-1] if recent else None
+    body["rewards"] = {
+        "last_batch_mean": last["reward_mean"] if last else None,
+        "recent_mean": (sum(b["reward_mean"] for b in recent) / len(recent)) if recent else None,
+        "last_eval": evals[-1] if evals else None,
+    }
+    body["timeline"] = timeline(recent[-10:], published)
+    body["rollout_log"] = state.rollout_log.snapshot() if state.rollout_log is not None else None
