@@ -2,7 +2,7 @@
 
 Real processes on loopback: a private redis-server, the vLLM-protocol stand-in (it only has
 to be there, at the published version, for the producer to start a batch), the sampler
-(`tandem sampler`) with the `bench.handoff_strategy:SyntheticBatches` strategy (k = 1), and
+(`tandem sampler`) with the `bench.handoff_strategy:SyntheticBatches` strategy (max_staleness 1), and
 this process as the trainer. Per measurement it parks `GET /batch?step=N`, then opens the
 strategy's gate for step N, and the sampler builds batch N (synthetic samples instead of
 inference), packs it, seals it in Redis and answers the parked request, as it would any

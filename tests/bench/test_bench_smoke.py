@@ -21,10 +21,10 @@ def _written(tmp_path, name):
 def test_pipeline(tmp_path):
     from bench import bench_pipeline
 
-    result = bench_pipeline.run(tmp_path, train_seconds=0.1, ratios=(1.0,), ks=(0, 1), steps=4, warmup=1,
-                                calibration_steps=3, max_tokens=4, prompts_per_step=2, num_generations=2)
+    result = bench_pipeline.run(tmp_path, train_seconds=0.1, ratios=(1.0,), max_staleness_values=(0, 1),
+                                steps=4, warmup=1, calibration_steps=3, max_tokens=4, prompts_per_step=2, num_generations=2)
     assert _written(tmp_path, "pipeline")["rows"] == result["rows"]
-    assert {r["k"] for r in result["rows"]} == {0, 1}
+    assert {r["max_staleness"] for r in result["rows"]} == {0, 1}
     assert all(r["seconds_per_step_median"] > 0 for r in result["rows"])
 
 
@@ -56,5 +56,5 @@ def test_stack(tmp_path):
     from bench import bench_stack
 
     result = bench_stack.run(tmp_path, steps=3, warmup=1, prompts_per_step=2, num_generations=2, backends=("cpu",))
-    assert [r["k"] for r in _written(tmp_path, "stack")["rows"]] == [0, 1]
+    assert [r["max_staleness"] for r in _written(tmp_path, "stack")["rows"]] == [0, 1]
     assert result["rows"][1]["staleness_mean"] <= 1
