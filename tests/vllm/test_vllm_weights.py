@@ -4,6 +4,7 @@ across a sync, and checkpoints the server must refuse without breaking."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -78,12 +79,45 @@ def test_vllms_own_reload_leaves_the_packed_head_stale(vllm_server: VllmHandle, 
         _restore(vllm_server)
 
 
+def _stream_completion(url: str, body: dict, first_token: threading.Event) -> dict:
+    """POST /v1/completions with `stream: true`, setting `first_token` when the first generated
+    token arrives; returns the chunks merged into the non-streaming body's shape (per choice:
+    text, token_ids, prompt_token_ids, logprobs.token_logprobs, finish_reason)."""
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        if r.status_code != 200:
+            return {"status_code": r.status_code, "error": r.read().decode(errors="replace")}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                return {"status_code": 200, "error": chunk["error"]}
+            for part in chunk["choices"]:
+                merged = choices.setdefault(part["index"], {
+                    "index": part["index"], "text": "", "token_ids": [], "prompt_token_ids": None,
+                    "logprobs": {"token_logprobs": []}, "finish_reason": None, "weight_versions": None})
+                merged["text"] += part.get("text") or ""
+                merged["token_ids"] += part.get("token_ids") or []
+                merged["logprobs"]["token_logprobs"] += (part.get("logprobs") or {}).get("token_logprobs") or []
+                merged["prompt_token_ids"] = merged["prompt_token_ids"] or part.get("prompt_token_ids")
+                merged["finish_reason"] = part.get("finish_reason") or merged["finish_reason"]
+                merged["weight_versions"] = part.get("weight_versions") or merged["weight_versions"]
+                if part.get("token_ids"):
+                    first_token.set()
+    return {"status_code": 200, "choices": [choices[i] for i in sorted(choices)]}
+
+
 def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_checkpoint: Path) -> None:
     """16 seeded sequences in flight when the sync starts: frozen while paused, finished after
     resume with every token. Pausing preempts them (vLLM's pause clears the prefix cache) and
     resuming recomputes their prompts and partial outputs in one go, well past one step's
     8192 tokens: with chunked prefill on, a seeded request split across steps would kill the
-    engine here."""
+    engine here.
+
+    The long request streams, so the test knows it is in flight from its first token. Polling
+    vLLM's num_requests_running gauge instead missed it on a loaded machine: the API server
+    answered one /metrics poll only after the whole request (about 10 s) had finished."""
     url = vllm_server.url
 
     def metric(name: str) -> float:
@@ -97,22 +131,26 @@ def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_
             "logprobs": 0, "return_token_ids": True, "return_weight_versions": True}
     dispatched = int(httpx.get(url + "/weight_info").json()["weight_version"])
     results: dict[str, object] = {}
+    first_token = threading.Event()
 
-    def request(name: str, payload: dict) -> None:
-        r = httpx.post(url + "/v1/completions", json=payload, timeout=300)
-        results[name] = r
-        results[name + "_at"] = time.monotonic()
+    def long_request() -> None:
+        results["long"] = _stream_completion(url, body, first_token)
+        results["long_at"] = time.monotonic()
 
-    flight = threading.Thread(target=request, args=("long", body))
-    waiting = threading.Thread(target=request, args=("short", {"prompt": IDS, "max_tokens": 3, "temperature": 0}))
+    def short_request() -> None:
+        results["short"] = httpx.post(url + "/v1/completions", timeout=300,
+                                      json={"prompt": IDS, "max_tokens": 3, "temperature": 0})
+        results["short_at"] = time.monotonic()
+
+    flight = threading.Thread(target=long_request)
+    waiting = threading.Thread(target=short_request)
     flight.start()
     try:
-        deadline = time.monotonic() + 60
-        while metric("vllm:num_requests_running") < 1:
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.05)
+        assert first_token.wait(120), f"the long request produced no token in 120 s: {results.get('long')}"
+        asked = time.monotonic()
         assert httpx.post(url + "/pause", params={"mode": "keep"}, timeout=60).json() == {"status": "paused"}
-        assert "long" not in results, "the request finished before the pause: nothing was held"
+        assert "long" not in results, (f"the request finished before the pause (which took "
+                                       f"{time.monotonic() - asked:.1f} s to answer): nothing was held")
         assert httpx.get(url + "/is_paused").json() == {"is_paused": True}
         frozen = metric("vllm:generation_tokens_total")
         waiting.start()
@@ -133,19 +171,21 @@ def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_
         if waiting.ident is not None:
             waiting.join(60)
         assert results["long_at"] > resumed and results["short_at"] > resumed
-        for name in ("long", "short"):
-            assert results[name].status_code == 200, results[name].text
-        choices = results["long"].json()["choices"]
+        long = results["long"]
+        assert "error" not in long, long
+        assert results["short"].status_code == 200, results["short"].text
+        choices = long["choices"]
         assert len(choices) == 16
         for choice in choices:
             assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 1500
             assert len(choice["logprobs"]["token_logprobs"]) == 1500
+            assert choice["prompt_token_ids"] == IDS
         # Honest staleness: tokens from both versions; 0.32 gives no spans, so the sampler stamps
         # every completion with the version served at dispatch (the oldest that produced a token),
         # not the label the server had when it answered.
         assert httpx.get(url + "/weight_info").json() == {"weight_version": str(dispatched + 1)}
         assert all(not c.get("weight_versions") for c in choices), choices[0].get("weight_versions")
-        stamped = parse_completions(results["long"].json(), dispatched)
+        stamped = parse_completions(long, dispatched)
         assert len(stamped) == 16 and all(c.versions == [dispatched] for c in stamped), stamped[0].versions
         assert httpx.get(url + "/health").status_code == 200
         assert max_abs_diff(probe_prompt_logprobs(url, IDS), reference_prompt_logprobs(other_checkpoint, IDS)) < TOLERANCE
