@@ -190,6 +190,12 @@ class Rollouts:
         self.completions_done = 0
         self.tokens_done = 0
 
+    @property
+    def request_sampling(self) -> dict[str, Any]:
+        """The sampling parameters every generation request starts from: the environment's,
+        overridden by the sampler's settings (a rollout may still add its own per call)."""
+        return {**self.env.sampling, **self.sampling, "max_tokens": self.max_tokens}
+
     async def model(self) -> str:
         """The served model id: the setting, else the first server's /v1/models."""
         async with self._model_lock:
@@ -212,9 +218,7 @@ class Rollouts:
 
     async def generate(self, prompt: str, *, n: int, min_version: int = 0, **sampling: Any) -> list[Completion]:
         body = {
-            **self.env.sampling,
-            **self.sampling,
-            "max_tokens": self.max_tokens,
+            **self.request_sampling,
             **sampling,
             "model": await self.model(),
             "prompt": prompt,

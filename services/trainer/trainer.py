@@ -73,13 +73,14 @@ log = logging.getLogger("tandem.trainer")
 
 def accept_sampler_config(status: Any, settings: TrainerSettings, world_size: int) -> SamplerConfig:
     """The sampler's config block from `GET /status`, once it agrees with these settings on the
-    contract (shared/contract.py): batch shape and batch reuse. Refuses with SettingsError
+    contract (shared/contract.py): batch shape, batch reuse, sampling it can score. Refuses with SettingsError
     (exit status 2) naming the numbers."""
     try:
         config = SamplerConfig.from_status(status)
         contract.check_batch_shape(settings.per_device_batch_size, settings.grad_accum_steps, world_size,
                                    config.prompts_per_step, config.num_generations)
         contract.check_reuse(settings.num_iterations, config.num_iterations)
+        contract.check_untruncated_sampling(config.top_p, config.top_k, config.min_p)
     except contract.ContractError as exc:
         raise SettingsError(str(exc)) from None
     return config

@@ -53,3 +53,12 @@ def test_status_config_block_is_validated() -> None:
         SamplerConfig.from_status({"config": {"prompts_per_step": 2, "num_generations": 4, "max_staleness": -1}})
     with pytest.raises(ContractError):
         SamplerConfig.from_status(["not", "a", "status"])
+
+
+def test_truncated_sampling_is_refused_naming_the_settings() -> None:
+    contract.check_untruncated_sampling(1.0, None, None)
+    contract.check_untruncated_sampling(None, -1, 0.0)  # vLLM's "off" values
+    with pytest.raises(ContractError, match=r"top_p 0\.9, top_k 20"):
+        contract.check_untruncated_sampling(0.9, 20, None)
+    with pytest.raises(ContractError, match=r"min_p 0\.05"):
+        contract.check_untruncated_sampling(1.0, None, 0.05)

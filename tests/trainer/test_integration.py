@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ TOKEN = "trainer-test-token"
 
 @pytest.fixture
 def stack(tmp_path: Path, tiny_model_dir: Path):
-    """(sampler process, inference thread): 2 prompts x 4 generations, k = 1, 8 tokens."""
+    """(sampler process, inference thread): 2 prompts x 4 generations, max_staleness 1, 8 tokens."""
     from services.inference.config import InferenceSettings
     from services.inference.server import create_app
 
@@ -138,6 +139,22 @@ def test_cli_refuses_a_batch_shape_mismatch(stack, tiny_model_dir: Path, tmp_pat
     for needle in ("per_device_batch_size (3)", "grad_accum_steps (2)", "world_size (1)", "= 6",
                    "prompts_per_step (2)", "num_generations (4)", "= 8"):
         assert needle in err, (needle, err)
+    assert not (tmp_path / "t" / "checkpoints").exists()
+
+
+def test_cli_refuses_a_sampler_that_truncates_sampling(make_sampler, tiny_model_dir: Path, tmp_path: Path,
+                                                      capsys) -> None:
+    """top_p < 1 makes the behaviour logprobs those of a renormalised distribution the trainer
+    does not score: refused at start-up, naming the setting, before any model is loaded."""
+    sampler = make_sampler(prompts_per_step=2, num_generations=4, top_p=0.9)
+    status = httpx.get(sampler.url + "/status", timeout=30).json()
+    assert (status["config"]["top_p"], status["config"]["top_k"]) == (0.9, None)
+    code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url,
+                         "--run-dir", str(tmp_path / "t"), "--per-device-batch-size", "4",
+                         "--grad-accum-steps", "2", "--no-progress"], prog="tandem trainer")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "top_p 0.9" in err and "set the sampler's top_p to 1" in err, err
     assert not (tmp_path / "t" / "checkpoints").exists()
 
 

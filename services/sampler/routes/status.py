@@ -24,12 +24,14 @@ async def get_status(state: State) -> dict[str, Any]:
     uptime = time.time() - state.started_at
     last = recent[-1] if recent else None
     ready = [step for step in sealed if step >= meta["version"]]
+    sampling = state.rollouts.request_sampling
     body = {
         "config": SamplerConfig(
             namespace=s.namespace, env=s.env, strategy=state.strategy.name,
             prompts_per_step=s.prompts_per_step, num_generations=s.num_generations, batch_size=s.batch_size,
             max_staleness=s.max_staleness, on_policy=s.max_staleness == 0, num_iterations=s.num_iterations,
-            temperature=s.temperature, top_p=s.top_p, max_tokens=state.rollouts.max_tokens,
+            temperature=s.temperature, top_p=sampling.get("top_p"), top_k=sampling.get("top_k"),
+            min_p=sampling.get("min_p"), max_tokens=state.rollouts.max_tokens,
             max_concurrency=s.max_concurrency, advantage=s.advantage, seed=s.seed, keep_batches=s.keep_batches,
             filter_zero_variance=s.filter_zero_variance, inference_urls=s.inference_urls,
         ).model_dump(),
