@@ -123,10 +123,11 @@ def check_untruncated_sampling(top_p: float | None, top_k: int | None, min_p: fl
 # -- batch reuse ---------------------------------------------------------------------------
 
 
-def use_count_after_reuse(use_count: int, step: int, num_iterations: int) -> int:
-    """A sample served again at `step` (sampler-side reuse) counts one more use per step
-    since its base step; its staleness grows the same way and is reported per step."""
-    return use_count + (step - base_step(step, num_iterations))
+def use_count_after_reuse(use_count: int, step: int, base: int) -> int:
+    """A sample generated for step `base` and served again at `step` (sampler-side reuse)
+    counts one more use per step since `base`; its staleness grows the same way and is
+    reported per step."""
+    return use_count + (step - base)
 
 
 def check_reuse(trainer_iterations: int, sampler_iterations: int) -> None:

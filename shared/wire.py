@@ -87,7 +87,7 @@ def new_sample(**fields: Any) -> dict[str, Any]:
     A dict, not a `Sample`: the sampler packs each sample into Redis as it is built, and a
     model per sample costs about six times a dict (7 us against 1 us on this machine), on the
     path every completion takes. Required fields are checked here; their types by the trainer's
-    `Sample` (and tests/sampler/test_rollout.py, which validates what the sampler produces)."""
+    `Sample` (and tests/sampler/test_batch_api.py, which validates what the sampler seals)."""
     missing = _REQUIRED_SAMPLE_FIELDS.difference(fields)
     if missing:
         raise TypeError(f"a sample needs {sorted(missing)}")

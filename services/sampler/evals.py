@@ -21,8 +21,8 @@ import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
-from shared.aio import wait_event
 from services.sampler.rollout import Rollouts
+from shared.aio import wait_event
 
 log = logging.getLogger("tandem.sampler.evals")
 

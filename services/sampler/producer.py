@@ -238,8 +238,7 @@ class Producer:
             await wait_event(changed, _RECHECK_SECONDS)
         samples = codec.unpack(payload)["samples"]
         for sample in samples:
-            sample["use_count"] = contract.use_count_after_reuse(sample.get("use_count", 1), step,
-                                                                 self.strategy.num_iterations)
+            sample["use_count"] = contract.use_count_after_reuse(sample.get("use_count", 1), step, base)
         return samples
 
     async def _build(self, step: int, required: int, ticket: int | None) -> None:

@@ -276,7 +276,7 @@ class Trainer:
         max_len = s.max_completion_length or self.config.max_tokens
         loss_cfg = LossConfig(loss_type=s.loss, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
                               tis_cap=s.tis_cap, beta=s.beta, temperature=temperature,
-                              max_completion_length=int(max_len) if max_len else None)
+                              max_completion_length=max_len)
 
         torch.manual_seed(s.seed)
         loaded = set_up_model(s, world.device)

@@ -33,7 +33,7 @@ async def test_every_sample_respects_the_staleness_bound(make_sampler, standin, 
     assert stats["paused"] is False
 
 
-async def test_on_policy_flag_means_k_zero(make_sampler):
+async def test_on_policy_flag_means_max_staleness_zero(make_sampler):
     sampler = make_sampler(on_policy=True, max_staleness=3)
     batches = await drive(sampler.url, 4, checkpoint=None, train_seconds=0.02)
     for step, batch in enumerate(batches):

@@ -39,7 +39,7 @@ def test_staleness_bound_and_reuse_window() -> None:
     # Reuse over 3 steps: steps 6, 7, 8 serve step 6's samples, so they share its bound.
     assert [contract.base_step(s, 3) for s in (6, 7, 8, 9)] == [6, 6, 6, 9]
     assert [contract.oldest_allowed_version(s, 2, 3) for s in (6, 7, 8)] == [4, 4, 4]
-    assert [contract.use_count_after_reuse(1, s, 3) for s in (6, 7, 8)] == [1, 2, 3]
+    assert [contract.use_count_after_reuse(1, s, contract.base_step(s, 3)) for s in (6, 7, 8)] == [1, 2, 3]
     assert contract.staleness(7, 5) == 2
     assert not contract.can_prefetch(0) and contract.can_prefetch(1)
 

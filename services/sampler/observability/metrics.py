@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.sampler.inference_pool import OK, STATES
+from shared import contract
 
 if TYPE_CHECKING:
     from services.sampler.inference_pool import InferencePool
@@ -147,7 +148,7 @@ class SamplerMetrics:
         tokens = 0
         for s in samples:
             reward(s["reward"])
-            staleness(step - s["policy_version"])
+            staleness(contract.staleness(step, s["policy_version"]))
             tokens += len(s["completion_token_ids"])
         self.sealed_tokens.inc(tokens)
 

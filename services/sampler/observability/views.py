@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shared import contract
+
 if TYPE_CHECKING:
     from services.sampler.evals import Evals
     from services.sampler.state import SamplerState
@@ -18,8 +20,8 @@ def staleness_histogram(batches: list[dict[str, Any]]) -> dict[str, int]:
     counts: dict[int, int] = {}
     for b in batches:
         for version, n in (b.get("policy_versions") or {}).items():
-            staleness = b["step"] - int(version)
-            counts[staleness] = counts.get(staleness, 0) + n
+            stale = contract.staleness(b["step"], int(version))
+            counts[stale] = counts.get(stale, 0) + n
     return {str(k): counts[k] for k in sorted(counts)}
 
 
@@ -34,7 +36,7 @@ def timeline(batches: list[dict[str, Any]], published: dict[int, float]) -> list
     Steps whose training has not finished have `train_end` null.
     """
     rows = []
-    for b in sorted(batches, key=lambda b: b["step"]):  # seal order is not step order when k >= 1
+    for b in sorted(batches, key=lambda b: b["step"]):  # seal order is not step order when max_staleness >= 1
         step = b["step"]
         start = b.get("sealed_at")
         if step > 0 and step in published:

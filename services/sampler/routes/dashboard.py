@@ -36,7 +36,7 @@ async def dashboard_data(
     batches: Annotated[int, Query(ge=1, le=256, description="recent batches to include (the store keeps 256)")] = 200,
     rollouts: Annotated[int, Query(ge=0, le=200, description="recent rollouts to include")] = 100,
 ) -> dict[str, Any]:
-    # Seal order is not step order when k >= 1; charts want steps in order.
+    # Seal order is not step order when max_staleness >= 1; charts want steps in order.
     recent = sorted(await state.store.recent_batch_stats(batches), key=lambda b: b["step"])
     published = await state.store.version_publish_times()
     return {

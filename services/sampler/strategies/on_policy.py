@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from services.sampler.strategies.base import Strategy
-
-if TYPE_CHECKING:
-    from services.sampler.config import SamplerSettings
 
 
 class OnPolicy(Strategy):
-    """max_staleness 0: batch N only from version N; generation and training alternate."""
+    """max_staleness 0: batch N only from version N; generation and training alternate.
+
+    The bound itself comes from the settings: choosing this strategy (or `on_policy`) makes
+    the sampler's settings resolve max_staleness to 0 (shared/contract.py), so the base
+    class's rule already gives version N."""
 
     name = "on_policy"
-
-    def __init__(self, settings: SamplerSettings):
-        super().__init__(settings)
-        self.max_staleness = 0

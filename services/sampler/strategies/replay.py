@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from services.sampler.strategies.base import BuildContext, Strategy
+from shared import contract
 
 
 class Replay(Strategy):
@@ -67,7 +68,7 @@ class Replay(Strategy):
         store = ctx.replay_pool
         pool = await store.entries()
         step = ctx.step
-        expired = [gid for gid, m in pool.items() if step - m["policy_version"] > self.max_age]
+        expired = [gid for gid, m in pool.items() if contract.staleness(step, m["policy_version"]) > self.max_age]
         eligible = sorted(
             gid for gid, m in pool.items()
             if gid not in expired and m["use_count"] < self.max_reuse and m["created_step"] < step
