@@ -34,7 +34,7 @@ from services.sampler.observability.throughput import ThroughputHistory
 from services.sampler.producer import Producer
 from services.sampler.redis_server import start_embedded, watch_embedded
 from services.sampler.replay_store import ReplayPool
-from services.sampler.rollout import Rollouts
+from services.sampler.rollout import NonFiniteCounts, Rollouts
 from services.sampler.rollout_log import RolloutLog
 from services.sampler.routes import batch, dashboard, evals, health, inference_servers, metrics, status, weights
 from services.sampler.sources import FreshGroups
@@ -78,10 +78,13 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         if settings.max_tokens is not None:
             sampling["max_tokens"] = settings.max_tokens
 
+        # One tally of the non-finite rewards and logprobs kept out, over every environment.
+        nonfinite = NonFiniteCounts()
+
         def make_rollouts(environment: Environment) -> Rollouts:
             return Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,
                             num_generations=settings.num_generations, sampling=sampling, seed=settings.seed,
-                            advantage=settings.advantage, model_name=settings.model_name)
+                            advantage=settings.advantage, model_name=settings.model_name, nonfinite=nonfinite)
 
         rollouts = make_rollouts(env)
 

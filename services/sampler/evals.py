@@ -4,6 +4,10 @@ Jobs live in Redis (`eval:<id>` holds the whole record as JSON) so `GET /eval/{i
 works from any replica and after a restart; a restarted sampler re-runs jobs that were
 pending or running. Eval requests pass through the shared inference pool but at most
 `eval_concurrency` at a time, so an eval never takes all of training's capacity.
+
+An example whose reward (or a reward part) is NaN or infinite is left out of the means,
+counted (`nonfinite_rewards` in the result, the sampler's non-finite counters) and named in
+one warning per eval; an eval where no reward is finite fails with that explanation.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
-from services.sampler.rollout import Rollouts
+from services.sampler.rollout import Rollouts, describe_rewards, nonfinite_rewards
 from shared.aio import wait_event
 
 log = logging.getLogger("tandem.sampler.evals")
@@ -125,6 +129,7 @@ class Evals:
             "env": "curriculum",
             "lessons": lessons,
             "num_examples": sum(r["num_examples"] for r in lessons.values()),
+            "nonfinite_rewards": sum(r["nonfinite_rewards"] for r in lessons.values()),
             "reward_mean": float(np.mean([r["reward_mean"] for r in lessons.values()])),
             "policy_version": min(r["policy_version"] for r in lessons.values()),
         }
@@ -151,20 +156,36 @@ class Evals:
             return example, completions[0], total, parts
 
         scored = await asyncio.gather(*(one(ex) for ex in examples))
-        rewards = np.array([total for _, _, total, _ in scored])
-        names = sorted({name for *_, parts in scored for name in parts})
+        totals = [total for _, _, total, _ in scored]
+        all_parts = [parts for *_, parts in scored]
+        bad = set(nonfinite_rewards(totals, all_parts))
+        if bad:
+            order = sorted(bad)
+            rollouts.nonfinite.add(rollouts.nonfinite.rewards, (rollouts.env.name, "eval"), len(bad))
+            labels = [f"prompt {ex.prompt_id}" for ex, *_ in scored]
+            log.warning("eval of environment %r: %d of %d rewards are not finite (%s); those examples are left out "
+                        "of the means. Fix the environment's reward function: it must return finite numbers",
+                        rollouts.env.name, len(bad), len(scored), describe_rewards(order, totals, all_parts, labels))
+        finite = [row for i, row in enumerate(scored) if i not in bad]
+        if not finite:
+            raise ValueError(f"every reward of the {len(scored)} eval examples of environment {rollouts.env.name!r} "
+                             f"is NaN or infinite: fix the environment's reward function")
+        rewards = np.array([total for _, _, total, _ in finite])
+        names = sorted({name for *_, parts in finite for name in parts})
         versions = [min(c.versions) if c.versions else min_version for _, c, _, _ in scored]
         return {
             "env": rollouts.env.name,
             "num_examples": len(scored),
+            "nonfinite_rewards": len(bad),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            "rewards_mean": {k: float(np.mean([p.get(k, 0.0) for *_, p in scored])) for k in names},
+            "rewards_mean": {k: float(np.mean([p.get(k, 0.0) for *_, p in finite])) for k in names},
             "policy_version": int(min(versions)),
             "completion_tokens_mean": float(np.mean([len(c.token_ids) for _, c, _, _ in scored])),
             "examples": [
-                {"prompt_id": ex.prompt_id, "prompt": ex.prompt, "completion": c.text, "reward": total}
-                for ex, c, total, _ in scored[:8]
+                {"prompt_id": ex.prompt_id, "prompt": ex.prompt, "completion": c.text,
+                 "reward": total if i not in bad else None}
+                for i, (ex, c, total, _) in enumerate(scored[:8])
             ],
         }
 

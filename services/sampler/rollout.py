@@ -4,25 +4,40 @@ Dataset order is a pure function of (seed, global prompt index): index i lives i
 i // len(dataset), and each epoch is a fresh seeded permutation. Batch N's prompts are
 indices N*P .. N*P+P-1 (P = prompts_per_step), so a restarted sampler regenerates
 exactly the prompts an uninterrupted one would have, with no cursor to persist.
+
+Non-finite numbers never travel. A token whose behaviour logprob the server sent as null,
+NaN or infinite is masked out of the loss (`loss_mask` 0, stored logprob 0.0) in
+`parse_completions`, the one place logprobs enter the sampler. A group with a non-finite
+reward (its total or any reward function's value) gets `Group.invalid` set and can never
+become samples: the fresh-group source drops it and refills the slot (sources.py). Both
+are counted in `NonFiniteCounts` (/metrics, /status) and logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from services.sampler.advantages import group_advantages
+from services.sampler.advantages import NonFiniteAdvantages, group_advantages
 from services.sampler.envs.base import Completion, Environment, Example, gather_now
 from services.sampler.inference_pool import InferencePool, InferenceRequestError, WentBackwards
 from shared.contract import staleness
 from shared.wire import BatchStats, new_sample
 
+log = logging.getLogger("tandem.sampler.rollout")
+
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# A server that keeps sending bad logprobs is warned about at most this often.
+_LOGPROB_WARN_SECONDS = 60.0
+# At most this many offending completions (or examples) are spelled out in one warning.
+_SHOWN = 4
 
 
 def derive_seed(*parts: Any) -> int:
@@ -49,6 +64,45 @@ class DatasetOrder:
 
 
 @dataclass
+class NonFiniteCounts:
+    """What the sampler kept out of batches and eval means since it started (one object
+    shared by every environment's `Rollouts`; read by /metrics and /status)."""
+
+    # (env, split) -> completions whose reward, or a reward function's value, was NaN or inf.
+    rewards: dict[tuple[str, str], int] = field(default_factory=dict)
+    # env -> training groups dropped because of them.
+    groups: dict[str, int] = field(default_factory=dict)
+    # server url -> completion tokens whose logprob was null or non-finite (masked out).
+    logprobs: dict[str, int] = field(default_factory=dict)
+
+    def add(self, table: dict[Any, int], key: Any, count: int = 1) -> None:
+        table[key] = table.get(key, 0) + count
+
+    def snapshot(self) -> dict[str, Any]:
+        rewards: dict[str, dict[str, int]] = {}
+        for (env, split), count in sorted(self.rewards.items()):
+            rewards.setdefault(env, {})[split] = count
+        return {"rewards": rewards, "groups_dropped": dict(sorted(self.groups.items())),
+                "logprobs_masked": dict(sorted(self.logprobs.items()))}
+
+
+def nonfinite_rewards(rewards: list[float], parts: list[dict[str, float]]) -> list[int]:
+    """Indices of the completions whose total reward or any reward part is NaN or infinite."""
+    isfinite = math.isfinite
+    return [i for i, (total, by_name) in enumerate(zip(rewards, parts))
+            if not (isfinite(total) and all(map(isfinite, by_name.values())))]
+
+
+def describe_rewards(indices: list[int], rewards: list[float], parts: list[dict[str, float]],
+                     labels: list[str] | None = None) -> str:
+    """The offending values of `indices`, for a log line (the first few)."""
+    shown = [f"{labels[i] if labels else f'completion {i}'}: reward {rewards[i]!r}, parts {parts[i]!r}"
+             for i in indices[:_SHOWN]]
+    more = len(indices) - _SHOWN
+    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+@dataclass
 class Group:
     """`n` completions of one prompt, scored, with advantages."""
 
@@ -60,8 +114,12 @@ class Group:
     advantages: list[float]
     policy_versions: list[int]
     info: dict[str, Any] = field(default_factory=dict)
+    # Why the group must never reach a batch (a non-finite reward); None when it may.
+    invalid: str | None = None
 
     def samples(self, env_name: str) -> list[dict[str, Any]]:
+        if self.invalid is not None:
+            raise ValueError(f"group {self.group_id} ({self.example.prompt_id}) cannot become samples: {self.invalid}")
         prompt_id, prompt_text = self.example.prompt_id, self.example.prompt
         group_id, info = self.group_id, self.info
         rewards, parts, advantages, versions = self.rewards, self.reward_parts, self.advantages, self.policy_versions
@@ -117,8 +175,27 @@ def _versions(spans: list[dict[str, Any]]) -> list[int] | None:
     return None if None in versions else sorted(versions)  # type: ignore[type-var]
 
 
+def _masked_logprobs(logprobs: list[Any]) -> tuple[list[float], list[int] | None]:
+    """Logprobs with each null or non-finite one replaced by 0.0, and the loss mask that
+    leaves those tokens out (None when every one is finite)."""
+    floats, mask = [], []
+    for x in logprobs:
+        value = None if x is None else float(x)
+        if value is not None and math.isfinite(value):
+            floats.append(value)
+            mask.append(1)
+        else:
+            floats.append(0.0)
+            mask.append(0)
+    return floats, (mask if 0 in mask else None)
+
+
 def parse_completions(body: dict[str, Any], served_version: int | None) -> list[Completion]:
     """vLLM /v1/completions JSON -> Completions (needs return_token_ids and logprobs).
+
+    A token whose logprob is null, NaN or infinite gets `loss_mask` 0 and logprob 0.0: the
+    trainer never learns from a behaviour probability nobody reported (vLLM writes -inf as
+    the finite -9999.0, which passes). `loss_mask` stays None when every logprob is finite.
 
     `served_version` is the version the server served when the request was sent: the oldest
     that can have produced a token. Where the answer has `weight_versions` spans (vLLM >= 0.33
@@ -153,10 +230,15 @@ def parse_completions(body: dict[str, Any], served_version: int | None) -> list[
             versions = versions or []
         else:
             versions = [served_version] if served_version is not None else []
+        mask = None
         try:
             floats = list(map(float, logprobs))
-        except TypeError:  # a null logprob among them: read as 0.0
-            floats = [float(x) if x is not None else 0.0 for x in logprobs]
+        except TypeError:  # a null logprob among them
+            floats, mask = _masked_logprobs(logprobs)
+        else:
+            # One sum finds a NaN or inf among them (or an overflow, which the exact pass clears).
+            if not math.isfinite(sum(floats)):
+                floats, mask = _masked_logprobs(floats)
         out.append(Completion(
             text=choice.get("text", ""),
             prompt_token_ids=list(prompt_ids),
@@ -164,6 +246,7 @@ def parse_completions(body: dict[str, Any], served_version: int | None) -> list[
             logprobs=floats,
             finish_reason=_FINISH.get(choice.get("finish_reason") or "stop", "stop"),
             versions=versions,
+            loss_mask=mask,
         ))
     return out
 
@@ -173,7 +256,7 @@ class Rollouts:
 
     def __init__(self, env: Environment, pool: InferencePool, *, prompts_per_step: int,
                  num_generations: int, sampling: dict[str, Any], seed: int, advantage: str,
-                 model_name: str | None):
+                 model_name: str | None, nonfinite: NonFiniteCounts | None = None):
         self.env = env
         self.pool = pool
         self.prompts_per_step = prompts_per_step
@@ -189,6 +272,9 @@ class Rollouts:
         self._model_lock = asyncio.Lock()
         self.completions_done = 0
         self.tokens_done = 0
+        # Shared by every environment's Rollouts of one sampler (app.py passes one in).
+        self.nonfinite = nonfinite if nonfinite is not None else NonFiniteCounts()
+        self._logprob_warned: dict[str, float] = {}
 
     @property
     def request_sampling(self) -> dict[str, Any]:
@@ -227,11 +313,27 @@ class Rollouts:
             "return_token_ids": True,
             "return_weight_versions": True,
         }
-        completions, _ = await self.pool.post("/v1/completions", body, min_version=min_version,
-                                              parse=parse_completions)
+        completions, server = await self.pool.post("/v1/completions", body, min_version=min_version,
+                                                   parse=parse_completions)
         self.completions_done += len(completions)
         self.tokens_done += sum(len(c.token_ids) for c in completions)
+        # Straight from parse_completions, a loss_mask only ever masks bad logprobs.
+        masked = sum(c.loss_mask.count(0) for c in completions if c.loss_mask is not None)
+        if masked:
+            self._masked(server.url, masked, sum(len(c.token_ids) for c in completions))
         return completions
+
+    def _masked(self, url: str, masked: int, tokens: int) -> None:
+        self.nonfinite.add(self.nonfinite.logprobs, url, masked)
+        now = time.monotonic()
+        last = self._logprob_warned.get(url)
+        if last is None or now - last >= _LOGPROB_WARN_SECONDS:
+            self._logprob_warned[url] = now
+            log.warning(
+                "inference server %s sent %d of %d token logprobs as null or non-finite (%d from it since start); "
+                "those tokens are masked out of the loss (loss_mask 0). The server must return a finite logprob "
+                "for every sampled token (logprobs=0): check its version and settings", url, masked, tokens,
+                self.nonfinite.logprobs[url])
 
     async def group(self, example: Example, group_id: str, *, min_version: int, seed: int,
                     n: int | None = None, **sampling: Any) -> Group:
@@ -244,16 +346,34 @@ class Rollouts:
         # Most scores finish without suspending: no task per completion for those.
         scored = await gather_now([self.env.score(example, c) for c in completions])
         rewards = [total for total, _ in scored]
+        parts = [by_name for _, by_name in scored]
         versions = [min(c.versions) if c.versions else min_version for c in completions]
+        invalid = None
+        bad = nonfinite_rewards(rewards, parts)
+        if bad:
+            self.nonfinite.add(self.nonfinite.rewards, (self.env.name, "train"), len(bad))
+            invalid = f"{len(bad)} of {len(rewards)} rewards are not finite ({describe_rewards(bad, rewards, parts)})"
+        else:
+            try:
+                advantages = group_advantages(rewards, self.advantage)
+            except NonFiniteAdvantages as exc:
+                invalid = str(exc)
+        if invalid is not None:
+            self.nonfinite.add(self.nonfinite.groups, self.env.name)
+            log.warning("environment %r, prompt %s (group %s): %s; the group is dropped and its slot refilled. "
+                        "Fix the environment's reward function: it must return finite numbers",
+                        self.env.name, example.prompt_id, group_id, invalid)
+            advantages = [0.0] * len(rewards)
         return Group(
             example=example,
             group_id=group_id,
             completions=completions,
             rewards=rewards,
-            reward_parts=[parts for _, parts in scored],
-            advantages=group_advantages(rewards, self.advantage),
+            reward_parts=parts,
+            advantages=advantages,
             policy_versions=versions,
             info={"created_at": time.time()},
+            invalid=invalid,
         )
 
 

@@ -6,6 +6,12 @@ carry no GRPO signal and are dropped; replacements come from a separate, equally
 "extra" stream, at most `max_oversample` extra groups per slot. When that bound is hit the
 batch is filled with the dropped groups it has (advantage 0, so harmless) rather than
 spinning, and the batch stats say so (`filter_exhausted`).
+
+A group with a non-finite reward (`Group.invalid`, set by `Rollouts.group`) is never kept,
+filter or not: it is replaced from the same extra stream within the same bound. Only when
+the bound is spent and the batch is still short (zero-variance groups fill first) does the
+build fail, with an error naming the environments whose reward function needs fixing; the
+producer retries it and /status shows the error meanwhile.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ EXTRA_STREAM = 0x5EED  # offsets the seed of the refill stream's dataset order
 class FreshStats:
     generated: int = 0
     dropped: int = 0
+    nonfinite: int = 0
     exhausted: bool = False
     by_lesson: dict[str, list[float]] = field(default_factory=dict)
 
@@ -37,6 +44,7 @@ class FreshStats:
             "groups_generated": self.generated,
             "groups_dropped": self.dropped,
             "drop_rate": self.dropped / self.generated if self.generated else 0.0,
+            "groups_nonfinite": self.nonfinite,
             "filter_exhausted": self.exhausted,
             "lesson_reward_mean": {k: sum(v) / len(v) for k, v in self.by_lesson.items() if v},
         }
@@ -62,6 +70,7 @@ class FreshGroups:
         # Totals since start, for /status.
         self.total_generated = 0
         self.total_dropped = 0
+        self.total_nonfinite = 0
         self.exhausted_batches = 0
 
     def _lessons(self, step: int, count: int, stream: int = 0) -> list[str]:
@@ -91,6 +100,15 @@ class FreshGroups:
             f"(got {group.policy_versions}); is an inference server mislabelled?"
         )
 
+    def _sort(self, groups: list[Group], kept: list[Group], flat: list[Group], invalid: list[Group]) -> None:
+        for group in groups:
+            if group.invalid is not None:
+                invalid.append(group)
+            elif self.filter and zero_variance(group):
+                flat.append(group)
+            else:
+                kept.append(group)
+
     async def groups(self, step: int, count: int, min_version: int, *, offset: int = 0) -> tuple[list[Group], FreshStats]:
         """`count` groups for slots offset..offset+count-1 of `step`."""
         stats = FreshStats()
@@ -101,38 +119,45 @@ class FreshGroups:
             for j, lesson in enumerate(lessons)
         ))
         stats.generated += len(main)
-        if not self.filter:
-            kept = list(main)
-        else:
-            kept = [g for g in main if not zero_variance(g)]
-            dropped = [g for g in main if zero_variance(g)]
-            budget = math.floor(self.max_extra_per_slot * count)
-            used = 0
-            while len(kept) < count and used < budget:
-                wave = min(count - len(kept), budget - used)
-                extra_lessons = self._lessons(step, offset + used + wave, stream=1)[offset + used:]
-                # Refill prompts of different steps (and of a later call with an offset) do not collide.
-                extra_base = step * self.extra_stride + offset * math.ceil(self.max_extra_per_slot) + used
-                batch = await asyncio.gather(*(
-                    self._one(lesson, extra_base + i, True, step, f"s{step}-x{offset}-{used + i}", min_version)
-                    for i, lesson in enumerate(extra_lessons)
-                ))
-                used += wave
-                stats.generated += len(batch)
-                kept += [g for g in batch if not zero_variance(g)]
-                dropped += [g for g in batch if zero_variance(g)]
-            stats.dropped = len(dropped)
-            if len(kept) < count:
-                stats.exhausted = True
-                missing = count - len(kept)
-                log.warning("step %d: only %d of %d groups have reward variance after %d extra groups; "
-                            "filling with %d zero-variance groups", step, len(kept), count, used, missing)
-                kept += dropped[:missing]
-            kept = kept[:count]
+        kept: list[Group] = []
+        flat: list[Group] = []  # zero-variance groups the filter dropped
+        invalid: list[Group] = []  # groups with a non-finite reward: never kept
+        self._sort(main, kept, flat, invalid)
+        budget = math.floor(self.max_extra_per_slot * count)
+        used = 0
+        while len(kept) < count and used < budget:
+            wave = min(count - len(kept), budget - used)
+            extra_lessons = self._lessons(step, offset + used + wave, stream=1)[offset + used:]
+            # Refill prompts of different steps (and of a later call with an offset) do not collide.
+            extra_base = step * self.extra_stride + offset * math.ceil(self.max_extra_per_slot) + used
+            batch = await asyncio.gather(*(
+                self._one(lesson, extra_base + i, True, step, f"s{step}-x{offset}-{used + i}", min_version)
+                for i, lesson in enumerate(extra_lessons)
+            ))
+            used += wave
+            stats.generated += len(batch)
+            self._sort(batch, kept, flat, invalid)
+        stats.dropped = len(flat)
+        stats.nonfinite = len(invalid)
+        if len(kept) < count and flat:
+            stats.exhausted = True
+            missing = min(count - len(kept), len(flat))
+            log.warning("step %d: only %d of %d groups have reward variance after %d extra groups; "
+                        "filling with %d zero-variance groups", step, len(kept), count, used, missing)
+            kept += flat[:missing]
+        if len(kept) < count:
+            envs = sorted({g.info.get("lesson", self.env_name) for g in invalid})
+            raise RuntimeError(
+                f"step {step}: {len(invalid)} group(s) had non-finite rewards and the refill bound "
+                f"(max_oversample {self.max_extra_per_slot:g}: {budget} extra groups) is spent with {len(kept)} of "
+                f"{count} usable groups; fix the reward function of {', '.join(envs)} so it returns finite numbers"
+            )
+        kept = kept[:count]
         for group in kept:
             stats.by_lesson.setdefault(group.info.get("lesson", self.env_name), []).extend(group.rewards)
         self.total_generated += stats.generated
         self.total_dropped += stats.dropped
+        self.total_nonfinite += stats.nonfinite
         self.exhausted_batches += int(stats.exhausted)
         if self.curriculum is not None:
             await self.curriculum.observe(stats.by_lesson)
@@ -144,5 +169,6 @@ class FreshGroups:
             "groups_generated": self.total_generated,
             "groups_dropped": self.total_dropped,
             "drop_rate": self.total_dropped / self.total_generated if self.total_generated else 0.0,
+            "groups_nonfinite": self.total_nonfinite,
             "exhausted_batches": self.exhausted_batches,
         }

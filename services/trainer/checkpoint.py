@@ -1,18 +1,26 @@
-"""HF-format checkpoints, written atomically, one directory per step.
+"""What the trainer writes: published weights every step, full checkpoints every few.
 
-`run_dir/checkpoints/step-N` holds the weights after optimizer step N, i.e. weights
-version N+1 (docs/staleness.md, Steps and versions). It is an ordinary Hugging Face model directory
-(config, safetensors, tokenizer files copied from the starting model), so vLLM's
-`reload_weights` and the CPU inference server read it directly, plus:
+Two kinds of directory, because they serve two readers:
 
-* `trainer_state.json`: `{"step": N, "version": N+1, ...}`; its presence marks a
-  complete checkpoint.
-* `optimizer.pt` (optional): AdamW state, for an exact resume.
+* **Published weights** `publish_dir/version-V` (`publish_weights`): the weights of version V
+  in the dtype inference wants (`publish_dtype`, bfloat16 for a bf16 server), as
+  `model.safetensors`, with `config.json` and `published.json` (`{"version", "step",
+  "dtype"}`). Nothing else: no optimizer state, no tokenizer. Written every step, read once
+  by each inference server's reload, then pruned to the newest `keep_published`. A RAM disk
+  (`/dev/shm`) is a good home: a lost one is re-published from the model.
+* **Full checkpoints** `run_dir/checkpoints/step-N` (`save_checkpoint`, or the collective
+  `begin_checkpoint` / `commit_checkpoint` pair the trainer uses): the float32 master weights
+  after optimizer step N, i.e. version N+1 (docs/staleness.md, Steps and versions), as an
+  ordinary Hugging Face directory (config, safetensors, tokenizer files copied from the
+  starting model), plus the optimizer state (`optimizer.pt`, or `optimizer/` written shard by
+  shard under FSDP) and `trainer_state.json` (`{"step": N, "version": N+1, ...}`), whose
+  presence marks a complete checkpoint. Written every `checkpoint_every` steps; a resume
+  starts from the newest.
 
-Atomicity: everything is written into a temporary sibling directory (`.tmp-...`), files
-are fsynced, then the directory is renamed to `step-N` in one `os.rename`. A reader
-therefore sees either no `step-N` or a complete one; a crash leaves only a `.tmp-*`
-directory, which the next save removes.
+Atomicity, for both: everything is written into a temporary sibling directory (`.tmp-...`),
+files are fsynced, then the directory is renamed into place in one `os.rename`. A reader
+sees either nothing or a complete directory; a crash leaves only a `.tmp-*` directory,
+which the next write removes.
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ log = logging.getLogger("tandem.trainer.checkpoint")
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
+PUBLISHED_FILE = "published.json"
+WEIGHTS_FILE = "model.safetensors"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_VERSION_DIR = re.compile(r"^version-(\d+)$")
 # Files that save_pretrained writes itself or that are weights of the starting model:
 # never copied from the model directory into a checkpoint.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -97,6 +108,61 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final` (replacing an existing one) and fsync the parent."""
+    if final.exists():
+        # The same step or version written again (a resume re-running it): rename cannot
+        # replace a non-empty directory, so move the old one aside first.
+        trash = final.parent / f".tmp-old-{final.name}-{os.getpid()}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def begin_checkpoint(run_dir: Path | str, step: int) -> Path:
+    """Rank 0: an empty staging directory for checkpoint `step` (stale ones removed). Its name
+    does not depend on the process, so every rank can write its optimizer shard into it
+    (the run directory must then be on storage every rank sees)."""
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-step-{step}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(run_dir: Path | str, step: int, tmp: Path, *, model: Any,
+                      state_dict: dict[str, Any] | None = None, model_dir: Path | str | None = None,
+                      state: dict[str, Any] | None = None) -> Path:
+    """Rank 0: write the weights (`state_dict`, else the model's own) and the state file into
+    the staging directory `tmp`, fsync, and rename it to `step-{step}`. On failure the staging
+    directory is removed and nothing else changes."""
+    try:
+        # A copy: save_pretrained deletes the tied duplicate from the dict it is given.
+        model.save_pretrained(tmp, state_dict=dict(state_dict) if state_dict is not None else None,
+                              safe_serialization=True)
+        if model_dir is not None:
+            copy_tokenizer_files(model_dir, tmp)
+        full_state = {"step": step, "version": step + 1, "saved_at": time.time(), **(state or {})}
+        # Written last: its presence is what marks the checkpoint complete.
+        (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=2, default=str))
+        _fsync_tree(tmp)
+        final = step_path(run_dir, step)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def save_checkpoint(
     run_dir: Path | str,
     step: int,
@@ -107,43 +173,17 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Write `step-{step}` atomically and return its path; prune to the newest `keep`."""
+    """One process: write `step-{step}` atomically and return its path; prune to the newest `keep`."""
     import torch  # here, so that listing checkpoints does not import torch
 
-    root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-step-{step}-{os.getpid()}"
-    tmp.mkdir()
+    tmp = begin_checkpoint(run_dir, step)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if model_dir is not None:
-            copy_tokenizer_files(model_dir, tmp)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        full_state = {"step": step, "version": step + 1, "saved_at": time.time(), **(state or {})}
-        # Written last: its presence is what marks the checkpoint complete.
-        (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=2, default=str))
-        _fsync_tree(tmp)
-        final = step_path(run_dir, step)
-        if final.exists():
-            # A re-run of the same step (resume after a crash between save and publish):
-            # move the old one aside first, since rename cannot replace a non-empty directory.
-            trash = root / f".tmp-old-step-{step}-{os.getpid()}"
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    final = commit_checkpoint(run_dir, step, tmp, model=model, model_dir=model_dir, state=state)
     if keep is not None:
         prune_checkpoints(run_dir, keep)
     return final
@@ -158,4 +198,94 @@ def prune_checkpoints(run_dir: Path | str, keep: int) -> list[Path]:
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         log.debug("deleted old checkpoint %s", path)
+    return doomed
+
+
+# -- published weights ---------------------------------------------------------------------
+
+
+def version_path(publish_root: Path | str, version: int) -> Path:
+    return Path(publish_root) / f"version-{version}"
+
+
+def list_published(publish_root: Path | str) -> list[tuple[int, Path]]:
+    """Complete published weight directories as (version, path), oldest first."""
+    root = Path(publish_root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _VERSION_DIR.match(entry.name)
+        if match and entry.is_dir() and (entry / PUBLISHED_FILE).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def untie(state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The state dict without the second name of a shared tensor (tied embeddings): safetensors
+    refuses shared storage, and loaders tie `lm_head` back themselves."""
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in state_dict.items():
+        where = (tensor.data_ptr(), tuple(tensor.shape))
+        if tensor.numel() and where in seen:
+            continue
+        seen.add(where)
+        out[name] = tensor
+    if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in out:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def non_finite_tensors(state_dict: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    import torch
+
+    return [name for name, t in state_dict.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str, Any], config: Any, *,
+                    dtype: Any, step: int) -> Path:
+    """Write version `version`'s weights, cast to `dtype`, as `publish_root/version-{version}`
+    (atomically; see the module docstring) and return its path. Refuses (ValueError) weights
+    holding NaN or infinity: those must never reach inference."""
+    from safetensors.torch import save_file
+
+    bad = non_finite_tensors(state_dict)
+    if bad:
+        raise ValueError(f"refusing to publish version {version}: non-finite values in {bad[:5]}"
+                         f"{' and more' if len(bad) > 5 else ''}")
+    root = Path(publish_root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-version-{version}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        tensors = {name: t.detach().to(dtype).contiguous() if t.is_floating_point() else t.detach().contiguous()
+                   for name, t in untie(state_dict, config).items()}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        config_dict = config.to_dict()
+        config_dict["torch_dtype"] = config_dict["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+        (tmp / PUBLISHED_FILE).write_text(json.dumps(
+            {"version": version, "step": step, "dtype": str(dtype).removeprefix("torch."),
+             "bytes": (tmp / WEIGHTS_FILE).stat().st_size, "saved_at": time.time()}))
+        _fsync_tree(tmp)
+        final = version_path(root, version)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def prune_published(publish_root: Path | str, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` published versions; returns the deleted paths."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1: the newest published version is what inference serves")
+    doomed = [path for _, path in list_published(publish_root)[:-keep]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -11,6 +11,16 @@ Layout of one micro-batch of B samples, L = longest prompt + completion:
   `loss_mask` is 1), `behaviour_logprobs` (the sampler's `completion_logprobs`).
 * `advantages` [B], `tokens_per_sequence` [B] (loss tokens per sample).
 
+Two kinds of token carry no loss even where the sample's `loss_mask` says 1:
+
+* with `mask_truncated`, every token of a completion cut off at max_tokens
+  (`finish_reason == "length"`, TRL's `mask_truncated_completions`): its reward judges an
+  unfinished answer. The sample stays in the batch with zero loss tokens, and the `grpo`
+  normaliser, which counts only sequences that have loss tokens, leaves it out;
+* a token whose behaviour logprob is not finite (NaN or inf). The sampler never sends one;
+  if it did, no importance ratio could be formed for it. Its value is stored as 0.0 so that
+  nothing downstream meets a NaN.
+
 Samples are sorted by length before splitting so micro-batches pad little; the order
 does not change the accumulated gradient (a sum over samples).
 """
@@ -70,8 +80,17 @@ def validate_sample(sample: Sample, index: int) -> None:
         raise BatchFormatError(f"sample {index} (prompt_id {sample.prompt_id!r}) has an empty prompt")
 
 
-def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None, pad_token_id: int = 0) -> MicroBatch:
-    """Collate samples into one right-padded micro-batch (see the module docstring)."""
+def collate(
+    samples: Sequence[Sample],
+    indices: Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    *,
+    mask_truncated: bool = False,
+) -> MicroBatch:
+    """Collate samples into one right-padded micro-batch (see the module docstring).
+
+    With `mask_truncated`, samples with `finish_reason == "length"` get an all-zero loss mask.
+    """
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
     indices = list(range(len(samples))) if indices is None else list(indices)
@@ -98,8 +117,12 @@ def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None, pad
             input_ids[row, P : P + C] = torch.tensor(s.completion_token_ids, dtype=torch.long)
             col = P - 1 - start
             targets[row, col : col + C] = torch.tensor(s.completion_token_ids, dtype=torch.long)
-            loss_mask[row, col : col + C] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            behaviour[row, col : col + C] = torch.tensor(s.completion_logprobs, dtype=torch.float32)
+            logprobs = torch.tensor(s.completion_logprobs, dtype=torch.float32)
+            finite = torch.isfinite(logprobs)
+            if not (mask_truncated and s.finish_reason == "length"):
+                mask = torch.tensor(s.loss_mask, dtype=torch.float32)
+                loss_mask[row, col : col + C] = torch.where(finite, mask, 0.0)
+            behaviour[row, col : col + C] = torch.where(finite, logprobs, 0.0)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -114,10 +137,16 @@ def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None, pad
 
 
 def split_micro_batches(
-    samples: Sequence[Sample], num_micro_batches: int, pad_token_id: int = 0, sort: bool = True
+    samples: Sequence[Sample],
+    num_micro_batches: int,
+    pad_token_id: int = 0,
+    sort: bool = True,
+    *,
+    mask_truncated: bool = False,
 ) -> list[MicroBatch]:
     """Split `samples` into `num_micro_batches` micro-batches of equal size (the last ones
-    one smaller when the count does not divide), sorted by length when `sort`."""
+    one smaller when the count does not divide), sorted by length when `sort`.
+    `mask_truncated` is passed on to `collate`."""
     if num_micro_batches < 1:
         raise ValueError("num_micro_batches must be >= 1")
     if len(samples) < num_micro_batches:
@@ -131,5 +160,5 @@ def split_micro_batches(
         size = base + (1 if k < extra else 0)
         chunk = order[at : at + size]
         at += size
-        out.append(collate([samples[i] for i in chunk], chunk, pad_token_id))
+        out.append(collate([samples[i] for i in chunk], chunk, pad_token_id, mask_truncated=mask_truncated))
     return out

@@ -17,6 +17,9 @@ from shared.probe import MAX_PROBE_TOKENS
 from shared.settings import TandemSettings
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+PublishDType = Literal["auto", "float32", "bfloat16", "float16"]
+Sharding = Literal["ddp", "fsdp"]
+ImportanceLevel = Literal["token", "sequence"]
 
 
 class TrainerSettings(TandemSettings):
@@ -54,6 +57,14 @@ class TrainerSettings(TandemSettings):
         "(the clipped ratio is then taken against the behaviour logprobs)",
     )
     beta: float = Field(default=0.0, ge=0, description="KL coefficient to the frozen initial model (k3); 0 disables")
+    importance_sampling_level: ImportanceLevel = Field(
+        default="token",
+        description="token: one ratio and one truncated IS weight per token; sequence: one per completion, "
+        "the geometric mean over its loss tokens (GSPO-style), the same for every token of it",
+    )
+    mask_truncated_completions: bool = Field(
+        default=False, description="completions cut off at max_tokens (finish_reason length) carry no loss"
+    )
     temperature: float | None = Field(
         default=None, description="sampling temperature; unset = the sampler's (from GET /status). Must match it."
     )
@@ -62,14 +73,42 @@ class TrainerSettings(TandemSettings):
     )
 
     # Runtime.
-    dtype: DType = Field(default="auto", description="auto = bfloat16 on CUDA, float32 on CPU")
+    dtype: DType = Field(
+        default="auto",
+        description="compute dtype: auto = bfloat16 on CUDA, float32 on CPU. Parameters, gradients and AdamW "
+        "state stay float32 (master weights); bfloat16/float16 run the forward and backward under autocast",
+    )
+    publish_dtype: PublishDType = Field(
+        default="auto", description="dtype of the weights published to inference; auto = the compute dtype"
+    )
+    sharding: Sharding = Field(
+        default="ddp",
+        description="with several ranks (torchrun): ddp = every rank holds the full model, gradients summed; "
+        "fsdp = parameters, gradients and optimizer state sharded over the ranks (FSDP2 fully_shard)",
+    )
+    logprob_chunk_size: int = Field(
+        default=1024, ge=1,
+        description="token positions per chunk of the float32 log-softmax; bounds its memory to "
+        "chunk x vocabulary floats instead of the whole micro-batch's logits",
+    )
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N (under torchrun: the local rank's GPU)")
     seed: int = 0
     gradient_checkpointing: bool = False
 
     # Checkpoints, evals, observability.
-    keep_checkpoints: int = Field(default=3, ge=1, description="how many step-N checkpoints to keep")
-    save_optimizer: bool = Field(default=True, description="save AdamW state with each checkpoint (exact resume)")
+    publish_dir: str | None = Field(
+        default=None,
+        description="where each step's weights are published for inference (unset: run_dir/published); "
+        "a RAM disk such as /dev/shm/<run> saves disk writes. Inference servers must be able to read it",
+    )
+    keep_published: int = Field(default=2, ge=1, description="how many published weight versions to keep on disk")
+    checkpoint_every: int = Field(
+        default=10, ge=1,
+        description="write a full checkpoint (weights + optimizer state, what a resume starts from) every N steps "
+        "and after the last step",
+    )
+    keep_checkpoints: int = Field(default=2, ge=1, description="how many full step-N checkpoints to keep")
+    save_optimizer: bool = Field(default=True, description="save AdamW state with each full checkpoint (exact resume)")
     resume: bool = Field(default=True, description="continue from the latest checkpoint in run_dir/checkpoints")
     eval_every: int = Field(default=0, ge=0, description="start an eval every N steps (0: only before and after)")
     eval_at_start: bool = True

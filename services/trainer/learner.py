@@ -8,10 +8,21 @@ once it has it, with no HTTP involved, so tests drive it directly:
    micro-batch's loss is its partial sum over the *global* normaliser (`loss.py`);
 3. pass 1: forward every micro-batch, keep its logprobs detached as pi_old (and the
    reference model's logprobs when beta > 0), backward; passes 2..mu reuse pi_old;
-4. after each pass: sum gradients over ranks (all_reduce), clip, AdamW step.
+4. after each pass: sum gradients over ranks (services/trainer/sharding.py: a bucketed
+   all-reduce under ddp, FSDP's reduce-scatter under fsdp), clip, AdamW step.
 
 Gradients are summed, not averaged, across ranks, because every rank's loss is
 already divided by the global normaliser.
+
+Two kinds of step leave the weights exactly as they were (no AdamW step, so neither
+momentum nor weight decay moves them), and say so in the metrics:
+
+* **no signal** (`skipped_no_signal`): no loss token anywhere in the batch (all ranks)
+  carries a non-zero advantage and there is no KL term. The gradient would be zero, but
+  AdamW would still move the weights with its momentum and decay, which is how a run that
+  has solved its task forgets it. Only the forward runs, for the metrics.
+* **non-finite** (`skipped_non_finite`): the loss or the gradient norm is NaN or infinite
+  on some rank. The gradients are dropped, so one bad batch never reaches the weights.
 """
 
 from __future__ import annotations
@@ -24,10 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from services.trainer.collate import MicroBatch, split_micro_batches
 from services.trainer.loss import loss_normalizer, policy_loss, token_logprobs
+from services.trainer.sharding import Sharding, make_sharding
 from shared.contract import LOSS_NAMES
 from shared.wire import Sample
 
@@ -43,6 +54,9 @@ class LossConfig:
     beta: float = 0.0
     temperature: float = 1.0
     max_completion_length: int | None = None
+    importance_sampling_level: str = "token"  # or "sequence" (loss.py)
+    mask_truncated_completions: bool = False
+    logprob_chunk_size: int = 1024
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_NAMES:
@@ -60,7 +74,7 @@ def _accepts(model: Any, name: str) -> bool:
         return False
 
 
-def forward_logprobs(model: Any, mb: MicroBatch, temperature: float) -> torch.Tensor:
+def forward_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk_size: int = 1024) -> torch.Tensor:
     """Logprobs [B, T] of `mb.targets` under `model`, over the window `mb.start:`."""
     L = mb.input_ids.shape[1]
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "use_cache": False}
@@ -71,7 +85,7 @@ def forward_logprobs(model: Any, mb: MicroBatch, temperature: float) -> torch.Te
         logits = model(**kwargs).logits
     else:
         logits = model(**kwargs).logits[:, mb.start :]
-    return token_logprobs(logits[:, :-1], mb.targets, temperature)
+    return token_logprobs(logits[:, :-1], mb.targets, temperature, chunk_size=chunk_size)
 
 
 class Learner:
@@ -85,7 +99,7 @@ class Learner:
         ref_model: Any = None,
         max_grad_norm: float | None = None,
         pad_token_id: int = 0,
-        distributed: bool = False,
+        sharding: Sharding | None = None,
         train_mode: bool = False,
     ):
         if cfg.beta and ref_model is None:
@@ -97,60 +111,38 @@ class Learner:
         self.ref_model = ref_model
         self.max_grad_norm = max_grad_norm
         self.pad_token_id = pad_token_id
-        self.distributed = distributed and dist.is_available() and dist.is_initialized()
+        self.sharding = sharding or make_sharding("single", distributed=False, rank=0, world_size=1,
+                                                  device=self.device)
+        self.distributed = self.sharding.distributed
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Set when gradient checkpointing is on (transformers only checkpoints in train mode).
         self.train_mode = train_mode
 
-    # -- collectives (no-ops on a single process) ---------------------------------------
+    def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self.sharding.all_reduce(tensor, op)
 
-    def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
-        return tensor
-
-    def reduce_gradients(self, bucket_bytes: int = 64 << 20) -> None:
-        """Sum every gradient over ranks, in flat buckets (one collective per bucket)."""
-        if not self.distributed:
-            return
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for p in self.params:
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= bucket_bytes:
-                self._reduce_bucket(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._reduce_bucket(bucket)
-
-    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        at = 0
-        for g in grads:
-            g.copy_(flat[at : at + g.numel()].view_as(g))
-            at += g.numel()
-
-    # -- the step -----------------------------------------------------------------------
+    def _logprobs(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        with self.sharding.autocast(self.device):
+            return forward_logprobs(model, mb, self.cfg.temperature, self.cfg.logprob_chunk_size)
 
     def global_normalizer(self, micro_batches: Sequence[MicroBatch]) -> float:
         local = sum(
             loss_normalizer(self.cfg.loss_type, mb.tokens_per_sequence, self.cfg.max_completion_length)
             for mb in micro_batches
         )
-        total = self._all_reduce(torch.tensor([local], dtype=torch.float64, device=self._collective_device))
+        total = self._all_reduce(torch.tensor([local], dtype=torch.float64))
         return float(total.item())
 
-    @property
-    def _collective_device(self) -> torch.device:
-        # NCCL only moves CUDA tensors; gloo wants CPU ones.
-        if self.distributed and dist.get_backend() == "nccl":
-            return self.device
-        return torch.device("cpu")
+    def has_signal(self, micro_batches: Sequence[MicroBatch]) -> bool:
+        """Whether any loss token of the whole batch (all ranks) can move the weights: one with a
+        non-zero advantage, or any at all when a KL term pulls towards the reference model."""
+        local = 0.0
+        for mb in micro_batches:
+            tokens = mb.loss_mask > 0
+            if not self.cfg.beta:
+                tokens = tokens & (mb.advantages != 0).unsqueeze(-1)
+            local += float(tokens.sum())
+        return float(self._all_reduce(torch.tensor([local], dtype=torch.float64)).item()) > 0
 
     def accumulate(
         self,
@@ -158,8 +150,11 @@ class Learner:
         normalizer: float,
         old: list[torch.Tensor] | None = None,
         ref: list[torch.Tensor] | None = None,
+        *,
+        backward: bool = True,
     ) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor] | None]:
-        """Zero the gradients, then forward+backward every micro-batch (one pass).
+        """Zero the gradients, then forward+backward every micro-batch (one pass); with
+        `backward` False only the forwards, without gradients (a step that will not update).
 
         Returns local metric sums, pi_old per micro-batch (this pass's logprobs when `old`
         is None: the first pass, before any update) and the reference logprobs.
@@ -178,9 +173,13 @@ class Learner:
                     ref_k = ref[k]
                 else:
                     with torch.no_grad():
-                        ref_k = forward_logprobs(self.ref_model, mb, cfg.temperature)
+                        ref_k = self._logprobs(self.ref_model, mb)
+                    self.sharding.reshard(self.ref_model)
                     new_ref.append(ref_k)
-            logp = forward_logprobs(self.model, mb, cfg.temperature)
+            # Under fsdp every backward reduce-scatters its gradients into the shards: deferring
+            # that to the last micro-batch would keep a full float32 gradient on every rank.
+            with torch.set_grad_enabled(backward):
+                logp = self._logprobs(self.model, mb)
             old_k = old[k] if old is not None else logp.detach()
             new_old.append(old_k)
             out = policy_loss(
@@ -188,8 +187,12 @@ class Learner:
                 loss_type=cfg.loss_type, normalizer=normalizer,
                 epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                 tis_cap=cfg.tis_cap, beta=cfg.beta, ref=ref_k,
+                importance_sampling_level=cfg.importance_sampling_level,
             )
-            out.loss.backward()
+            if backward:
+                out.loss.backward()
+            else:
+                self.sharding.reshard(self.model)
             with torch.no_grad():
                 mask = mb.loss_mask
                 sums["logp_sum"] += float((logp.detach() * mask).sum())
@@ -205,15 +208,19 @@ class Learner:
             sums["forward_tokens"] += mb.num_tokens
         return sums, (old if old is not None else new_old), (ref if ref is not None else new_ref)
 
-    def clip_and_step(self, lr: float | None = None) -> float:
-        """Clip the (reduced) gradients, apply AdamW; returns the pre-clip gradient norm."""
-        max_norm = self.max_grad_norm if self.max_grad_norm else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+    def clip_and_step(self, loss: float, lr: float | None = None) -> tuple[float, bool]:
+        """Clip the (reduced) gradients and apply AdamW, unless the loss (summed over ranks) or
+        the gradient norm is not finite: then the gradients are dropped and nothing moves.
+        Returns the pre-clip gradient norm and whether the step was applied."""
+        norm = self.sharding.clip_grad_norm(self.params, self.max_grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, False
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self.optimizer.step()
-        return float(norm)
+        return norm, True
 
     def train_on_samples(
         self,
@@ -224,38 +231,53 @@ class Learner:
         lr: float | None = None,
     ) -> dict[str, float]:
         """Run `num_iterations` optimizer updates on this rank's `samples`; return global
-        (all-rank) metrics of the first pass plus the last pass's grad norm."""
+        (all-rank) metrics of the first pass plus the last pass's grad norm, and whether the
+        step was skipped (`skipped_no_signal`, `skipped_non_finite`: 0 or 1)."""
         # Eval mode (no dropout) keeps pass-2 ratios free of dropout noise; gradient
         # checkpointing in transformers only engages in train mode, so it keeps that.
         self.model.train(self.train_mode)
-        micro_batches = split_micro_batches(samples, grad_accum_steps, self.pad_token_id)
+        micro_batches = split_micro_batches(samples, grad_accum_steps, self.pad_token_id,
+                                            mask_truncated=self.cfg.mask_truncated_completions)
         normalizer = self.global_normalizer(micro_batches)
+        signal = self.has_signal(micro_batches)
         old = ref = None
         first: dict[str, float] | None = None
-        grad_norms = []
+        grad_norms: list[float] = []
         forward_tokens = 0.0
-        for _ in range(num_iterations):
-            sums, old, ref = self.accumulate(micro_batches, normalizer, old, ref)
+        non_finite = False
+        for _ in range(num_iterations if signal else 1):
+            sums, old, ref = self.accumulate(micro_batches, normalizer, old, ref, backward=signal)
             forward_tokens += sums["forward_tokens"]
-            self.reduce_gradients()
-            grad_norms.append(self.clip_and_step(lr))
             if first is None:
                 first = sums
             else:
                 # Clipping only happens after the first update; report the later passes' rate.
                 first["clipped_later"] = first.get("clipped_later", 0.0) + sums["clipped"]
+            if not signal:
+                grad_norms.append(0.0)
+                break
+            self.sharding.reduce_gradients(self.params)
+            loss = float(self._all_reduce(torch.tensor([sums["loss"]], dtype=torch.float64)).item())
+            norm, applied = self.clip_and_step(loss, lr)
+            grad_norms.append(norm)
+            if not applied:
+                non_finite = True
+                log.warning("loss %s, gradient norm %s: not finite, so this step leaves the weights as "
+                            "they were (skipped)", loss, norm)
+                break
         assert first is not None
-        return self._global_metrics(first, grad_norms, forward_tokens, num_iterations)
+        out = self._global_metrics(first, grad_norms, forward_tokens, num_iterations)
+        out["skipped_no_signal"] = 0.0 if signal else 1.0
+        out["skipped_non_finite"] = 1.0 if non_finite else 0.0
+        return out
 
     def _global_metrics(self, sums: dict[str, float], grad_norms: list[float],
                         forward_tokens: float, num_iterations: int) -> dict[str, float]:
         keys = ["loss", "tokens", "clipped", "clipped_later", "is_weight_sum", "is_truncated",
                 "kl_sum", "ratio_sum", "logp_sum", "mismatch_sum"]
-        dev = self._collective_device
         total = self._all_reduce(torch.tensor([sums.get(k, 0.0) for k in keys] + [forward_tokens],
-                                              dtype=torch.float64, device=dev))
-        peak = self._all_reduce(torch.tensor([sums["is_weight_max"]], dtype=torch.float64, device=dev),
-                                dist.ReduceOp.MAX if self.distributed else None)
+                                              dtype=torch.float64))
+        peak = self._all_reduce(torch.tensor([sums["is_weight_max"]], dtype=torch.float64), "max")
         t = dict(zip(keys + ["forward_tokens"], total.tolist()))
         tokens = max(t["tokens"], 1.0)
         later_tokens = max(t["tokens"] * (num_iterations - 1), 1.0)

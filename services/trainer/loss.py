@@ -37,6 +37,27 @@ With truncated IS disabled (`tis_cap` None) there is no separate proximal policy
 ratio is taken directly against the behaviour logprobs (old := behaviour, w := 1), which
 is ordinary PPO clipping with the sampler as the old policy.
 
+Sequence-level importance sampling (`importance_sampling_level="sequence"`, GSPO: Zheng
+et al. 2025, "Group Sequence Policy Optimization"; TRL's option of the same name) replaces
+the per-token ratio and weight by per-sequence geometric means over the loss tokens,
+shared by every token of the sequence:
+
+    s_i  = exp( (1/n_i) sum_t m_it (logp_it - old_it) )          (gradient through logp)
+    w_i  = min(exp( (1/n_i) sum_t m_it (old_it - behaviour_it) ), C)          (detached)
+    l_it = -w_i * min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3_it
+
+The advantage is a sequence-level quantity, so a sequence-level ratio matches its unit;
+the length normalisation keeps s_i in the same range as a token ratio whatever the length,
+which is why the same epsilons apply. A sequence is then clipped as a whole, not token by
+token. With one loss token per sequence both levels are the same objective.
+
+Masked positions (m_it = 0: prompt padding, tool output, a sample whose loss mask was
+cleared) may hold anything in `logp`, `old`, `behaviour` or `ref`: junk past the end of a
+row, -inf or a -9999 sentinel from an inference engine. Multiplying by the mask is not
+enough, because 0 * inf and 0 * NaN are NaN, in the loss and in the gradient. So every
+input is replaced by 0 at masked positions (`torch.where`) before any arithmetic, and every
+sum selects with the mask again; a masked position then contributes exactly nothing.
+
 Aggregation over a batch of sequences (N = sequences, n_i = loss tokens of sequence i):
 
 * `grpo`    (1/N') sum_i (1/n_i) sum_t l_it         N' = sequences with n_i > 0
@@ -52,39 +73,126 @@ transformers' Trainer normalises by the number of items in the whole batch).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from shared.contract import LOSS_NAMES
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[targets], computed in float32.
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 1024
+) -> torch.Tensor:
+    """log softmax(logits / temperature)[targets], with memory bounded by `chunk_size`.
 
-    logits [B, T, V], targets [B, T] -> [B, T]. Dividing by the sampler's temperature
-    makes these comparable to its "processed" logprobs (docs/inference-api.md). Rows are
-    processed one at a time so the float32 copy of the logits stays one row big.
+    logits [B, T, V] (any dtype and strides, e.g. the slice `logits[:, :-1]`), targets
+    [B, T] -> [B, T] in float32 (float64 for float64 logits). Dividing by the sampler's
+    temperature makes these comparable to its "processed" logprobs (docs/inference-api.md).
+
+    The B * T positions are processed `chunk_size` at a time in float32. Autograd keeps only
+    the logits themselves, in their own dtype, and one float32 logsumexp per position; the
+    backward recomputes each chunk's softmax. The float32 working memory is therefore one
+    chunk_size x V buffer however long the batch, where plain autograd through
+    `log_softmax(logits.float())` would keep a float32 copy of all the logits.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    out = []
-    for row_logits, row_targets in zip(logits, targets):
-        row = row_logits.float()
-        if temperature != 1.0:
-            row = row / temperature
-        picked = row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(row, dim=-1))
-    return torch.stack(out)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits [B, T, V] and targets [B, T], got {tuple(logits.shape)} "
+                         f"and {tuple(targets.shape)}")
+    return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), int(chunk_size))
+
+
+def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
+    for lo in range(0, n, size):
+        yield lo, min(lo + size, n)
+
+
+def _load_scaled(buffer: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, temperature: float) -> torch.Tensor:
+    """Copy flat positions [lo, hi) of `logits` [B, T, V] into `buffer` (converting the dtype
+    on the way) and divide by the temperature in place; returns the filled rows.
+
+    A flat view of `logits` is not available when it is a slice such as `logits[:, :-1]`
+    (reshaping would copy all of it), so a chunk is gathered from row segments, each of
+    which is a view."""
+    T = logits.shape[1]
+    at, pos = 0, lo
+    while pos < hi:
+        b, t = divmod(pos, T)
+        take = min(hi - pos, T - t)
+        buffer[at : at + take].copy_(logits[b, t : t + take])
+        at, pos = at + take, pos + take
+    x = buffer[: hi - lo]
+    if temperature != 1.0:
+        x.div_(temperature)
+    return x
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """See `token_logprobs`. d logp_j / d z_jv = (1[v = target_j] - softmax(z_j / tau)_v) / tau."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_size: int):
+        B, T, V = logits.shape
+        n = B * T
+        compute = torch.promote_types(logits.dtype, torch.float32)
+        flat_targets = targets.reshape(n, 1)
+        picked = torch.empty(n, dtype=compute, device=logits.device)
+        lse = torch.empty(n, dtype=compute, device=logits.device)
+        buffer = torch.empty(min(chunk_size, n), V, dtype=compute, device=logits.device)
+        for lo, hi in _chunks(n, chunk_size):
+            x = _load_scaled(buffer, logits, lo, hi, temperature)
+            picked[lo:hi] = x.gather(1, flat_targets[lo:hi]).squeeze(1)
+            # logsumexp in place: torch.logsumexp would allocate a second chunk-sized tensor.
+            # As there, an infinite row maximum is shifted by 0 instead (inf - inf is NaN).
+            row_max = x.amax(1, keepdim=True)
+            row_max = torch.where(row_max.isinf(), 0.0, row_max)
+            lse[lo:hi] = x.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return (picked - lse).view(B, T)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        B, T, V = logits.shape
+        n = B * T
+        flat_targets = targets.reshape(n, 1)
+        # grad_out / tau per position: the scale of both the one-hot and the softmax term.
+        scale = (grad_out.reshape(n).to(lse.dtype) / temperature).unsqueeze(1)
+        grad_logits = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
+        flat_grad = grad_logits.view(n, V)
+        buffer = torch.empty(min(chunk_size, n), V, dtype=lse.dtype, device=logits.device)
+        for lo, hi in _chunks(n, chunk_size):
+            x = _load_scaled(buffer, logits, lo, hi, temperature)
+            probs = x.sub_(lse[lo:hi].unsqueeze(1)).exp_()
+            g = probs.mul_(-scale[lo:hi]).scatter_add_(1, flat_targets[lo:hi], scale[lo:hi])
+            flat_grad[lo:hi].copy_(g)
+        return grad_logits, None, None, None
 
 
 def importance_weights(old: torch.Tensor, behaviour: torch.Tensor, cap: float | None) -> torch.Tensor:
     """min(exp(old - behaviour), cap), detached; all ones when `cap` is None (disabled)."""
     if cap is None:
         return torch.ones_like(old)
-    log_w = (old - behaviour).detach().float()
+    return _truncated_exp((old - behaviour).detach().float(), cap).to(old.dtype)
+
+
+def _log_cap(cap: float) -> float:
+    # log C as float32 computes it, so that the weights (clamped at it) and the count of
+    # truncated tokens (compared with it) agree exactly on a float32 log-weight.
+    return float(torch.log(torch.tensor(cap)))
+
+
+def _truncated_exp(log_w: torch.Tensor, cap: float) -> torch.Tensor:
     # Clamp in log space first so a huge mismatch cannot overflow exp to inf.
-    return torch.exp(torch.clamp(log_w, max=float(torch.log(torch.tensor(cap))))).to(old.dtype)
+    return torch.exp(torch.clamp(log_w, max=_log_cap(cap)))
 
 
 def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -125,6 +233,9 @@ class LossOutput:
     ratio_sum: float
 
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
 def policy_loss(
     logp: torch.Tensor,
     old: torch.Tensor,
@@ -139,56 +250,79 @@ def policy_loss(
     tis_cap: float | None = None,
     beta: float = 0.0,
     ref: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
 ) -> LossOutput:
     """The loss of one micro-batch (see the module docstring for the math).
 
-    logp, old, behaviour, mask: [B, T]; advantages: [B]. `old` is ignored when `tis_cap`
-    is None (the ratio is then against `behaviour`). `normalizer` is the global
-    normaliser of the whole optimizer batch (`loss_normalizer`, summed).
+    logp, old, behaviour, mask: [B, T]; advantages: [B]. Positions where `mask` > 0 carry
+    loss; the others are ignored whatever they hold. `old` is ignored when `tis_cap` is None
+    (the ratio is then against `behaviour`). `normalizer` is the global normaliser of the
+    whole optimizer batch (`loss_normalizer`, summed). `importance_sampling_level` "token"
+    takes one ratio and one IS weight per token, "sequence" one per sequence (GSPO).
+    The metrics count tokens at either level: a clipped sequence adds its loss tokens to
+    `clipped`, a truncated one to `is_truncated`.
     """
     if loss_type not in LOSS_NAMES:
         raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_NAMES}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; "
+                         f"expected one of {IMPORTANCE_SAMPLING_LEVELS}")
     if beta and ref is None:
         raise ValueError("beta > 0 needs reference logprobs `ref`")
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    mask = mask.to(logp.dtype)
-    behaviour = behaviour.to(logp.dtype)
-    anchor = old.detach().to(logp.dtype) if tis_cap is not None else behaviour
-    weights = importance_weights(anchor, behaviour, tis_cap)
+    live = mask > 0
 
-    ratio = torch.exp(logp - anchor)
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(live, x, 0.0)
+
+    # Sanitise every input before any arithmetic: see "Masked positions" in the module
+    # docstring. `where` passes a zero gradient to the masked logp, never a NaN.
+    logp_m = masked(logp)
+    behaviour_m = masked(behaviour.to(logp.dtype))
+    anchor = masked(old.detach().to(logp.dtype)) if tis_cap is not None else behaviour_m
+    log_ratio = logp_m - anchor
+    log_w = (anchor - behaviour_m).detach().float()
+    tokens_per_seq = live.sum(-1, keepdim=True)
+    if importance_sampling_level == "sequence":
+        # Means over each sequence's loss tokens, broadcast back to its tokens.
+        n = tokens_per_seq.clamp(min=1).to(logp.dtype)
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / n).expand_as(logp)
+        log_w = (log_w.sum(-1, keepdim=True) / n.float()).expand_as(logp)
+
+    ratio = masked(torch.exp(log_ratio))
+    weights = torch.ones_like(logp) if tis_cap is None else masked(_truncated_exp(log_w, tis_cap).to(logp.dtype))
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high) * adv
     per_token = -weights * torch.minimum(unclipped, clipped)
     kl = None
     if beta:
-        kl = k3_kl(logp, ref.to(logp.dtype))
+        kl = masked(k3_kl(logp_m, masked(ref.to(logp.dtype))))
         per_token = per_token + beta * kl
+    per_token = masked(per_token)
 
     if normalizer <= 0:
         # Nothing in the whole batch carries loss: a zero loss that still touches the graph.
-        loss = (per_token * mask).sum() * 0.0
+        loss = per_token.sum() * 0.0
     elif loss_type == "grpo":
-        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = per_token.sum(-1) / tokens_per_seq.squeeze(-1).clamp(min=1).to(logp.dtype)
         loss = per_seq.sum() / normalizer
     else:  # dapo and dr_grpo differ only in the normaliser
-        loss = (per_token * mask).sum() / normalizer
+        loss = per_token.sum() / normalizer
 
     with torch.no_grad():
-        took_clip = (clipped < unclipped).to(mask.dtype) * mask
-        masked_w = weights * mask
-        truncated = torch.zeros((), device=mask.device)
+        took_clip = (clipped < unclipped) & live
+        masked_w = masked(weights)
+        truncated = 0.0
         if tis_cap is not None:
-            truncated = ((anchor - behaviour).float() >= torch.log(torch.tensor(tis_cap)).item()).float()
-            truncated = (truncated * mask.float()).sum()
+            truncated = float(((log_w >= _log_cap(tis_cap)) & live).sum())
         return LossOutput(
             loss=loss,
-            tokens=float(mask.sum()),
+            tokens=float(live.sum()),
             clipped=float(took_clip.sum()),
             is_weight_sum=float(masked_w.sum()),
             is_weight_max=float(masked_w.max()) if masked_w.numel() else 0.0,
-            is_truncated=float(truncated),
-            kl_sum=float((kl * mask).sum()) if kl is not None else 0.0,
-            ratio_sum=float((ratio * mask).sum()),
+            is_truncated=truncated,
+            kl_sum=float(kl.sum()) if kl is not None else 0.0,
+            ratio_sum=float(ratio.sum()),
         )

@@ -6,7 +6,8 @@
     {"steps", "start_step", "final_step", "final_version", "wall_seconds",
      "wait_seconds", "train_seconds", "trainer_wait_fraction", "staleness_mean",
      "reward_mean_first", "reward_mean_last", "eval_reward_before", "eval_reward_after",
-     "evals", "last_checkpoint", "metrics_path", "world_size"}
+     "evals", "last_checkpoint", "last_published", "skipped_steps_no_signal",
+     "skipped_steps_non_finite", "metrics_path", "world_size"}
 
 and writes the same to `run_dir/trainer_summary.json` (rank 0).
 
@@ -15,10 +16,14 @@ and writes the same to `run_dir/trainer_summary.json` (rank 0).
 Start-up (`Trainer.start`): GET /status supplies the sampler's batch shape, temperature,
 max_tokens and max_staleness; a batch-shape or reuse disagreement (shared/contract.py) stops
 the trainer with a message naming the numbers. Then the process's place in the job
-(services/trainer/world.py) and the model, optimizer and reference model
-(services/trainer/model_setup.py); with a checkpoint in run_dir/checkpoints (and `resume`)
-the run continues at step = its version and rank 0 announces that checkpoint again, in
-case the previous run died between saving and publishing.
+(services/trainer/world.py), how parameters are spread over the ranks
+(services/trainer/sharding.py: ddp or fsdp), and the model, optimizer and reference model
+(services/trainer/model_setup.py); with a full checkpoint in run_dir/checkpoints (and
+`resume`) the run continues at step = its version, and rank 0 publishes and announces that
+version again, in case the previous run died between saving and publishing. When the
+sampler is already past it (the run died after publishing later versions), the sampler
+keeps what it serves and the trainer re-trains the steps since the checkpoint on the same
+batches, publishing from the first version the sampler has not seen.
 
 Per step N (`Trainer.step`), on every rank:
   1. `GET /batch?step=N&rank=R&world_size=W` (prefetched during step N-1 when the
@@ -26,11 +31,17 @@ Per step N (`Trainer.step`), on every rank:
   2. `Learner.train_on_samples` (in a worker thread, so evals and the prefetch progress
      on the event loop meanwhile), then this rank's sums over its share (`rank_sums`),
      all-reduced over the ranks;
-  3. rank 0 computes the probe (the first sample's logprobs under the new weights,
-     services/trainer/probe.py), writes `run_dir/checkpoints/step-N` atomically, POSTs
-     `/weights_version` with version N+1, that path, the probe and the step's metrics,
-     prunes old checkpoints, appends a metrics line; the other ranks wait at a barrier,
-     so nobody asks for batch N+1 before version N+1 is published;
+  3. publication (services/trainer/checkpoint.py): the full weights are gathered (a
+     collective under fsdp) and rank 0 writes them, in `publish_dtype`, to
+     `publish_dir/version-{N+1}` atomically; the probe (the first sample's logprobs under
+     the new weights, services/trainer/probe.py) is computed; every `checkpoint_every`
+     steps, and after the last, a full checkpoint `run_dir/checkpoints/step-N` (float32
+     weights + optimizer state, sharded under fsdp) is written too. Rank 0 POSTs
+     `/weights_version` with version N+1, the published path, the probe and the step's
+     metrics, prunes old versions and checkpoints, appends a metrics line; the other ranks
+     wait at a barrier, so nobody asks for batch N+1 before version N+1 is published. A
+     step that left the weights as they were (no signal, non-finite) publishes its
+     predecessor's directory again under the new version: nothing is written;
   4. every rank checks the step's behaviour_mismatch (services/trainer/mismatch.py):
      after `behaviour_mismatch_patience` steps in a row above `max_behaviour_mismatch`
      the run stops with `BehaviourMismatchError`, its last checkpoint written.
@@ -44,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -56,8 +68,9 @@ from typing import Any
 from services.trainer import checkpoint as ckpt
 from services.trainer.config import TrainerSettings
 from services.trainer.metrics import MetricsLogger, ProgressBar, describe, eval_reward
-from services.trainer.mismatch import MismatchGuard
+from services.trainer.mismatch import BehaviourMismatchError, MismatchGuard
 from services.trainer.model_setup import set_up_model
+from services.trainer.probe import DTYPE_NAMES
 from services.trainer.world import World
 from shared import codec, contract
 from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, VersionConflict
@@ -147,16 +160,12 @@ def all_reduce_rank_sums(sums: dict[str, float], learner: Any) -> dict[str, floa
     """`rank_sums` of every rank added up ("stale_max": the largest); a collective, so every
     rank calls it, on the training thread."""
     import torch
-    import torch.distributed as dist
 
     if not learner.distributed:
         return sums
     keys = [k for k in sums if k != "stale_max"]
-    dev = learner._collective_device
-    summed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=dev)
-    dist.all_reduce(summed)
-    peak = torch.tensor([sums["stale_max"]], dtype=torch.float64, device=dev)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    summed = learner.sharding.all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+    peak = learner.sharding.all_reduce(torch.tensor([sums["stale_max"]], dtype=torch.float64), "max")
     return {**dict(zip(keys, summed.tolist())), "stale_max": float(peak.item())}
 
 
@@ -180,7 +189,8 @@ def step_record(step: int, lr: float, result: dict[str, Any], sums: dict[str, fl
         "truncated_fraction": sums["truncated"] / n,
         "batch_wait_s": wait_s, "train_s": train_s,
         # Rank 0's; publish_s stays null in what is published (not known yet).
-        "checkpoint_s": 0.0, "probe_s": 0.0, "publish_s": None,
+        "checkpoint_s": 0.0, "probe_s": 0.0, "publish_s": None, "write_s": 0.0,
+        "published_bytes": 0, "checkpoint_bytes": 0,
         "tokens_per_s": result["forward_tokens"] / train_s if train_s > 0 else None,
         "generation_s": batch.stats.generation_seconds,
     }
@@ -204,6 +214,13 @@ def published_metrics(record: dict[str, Any]) -> dict[str, float]:
 # -- the loop ------------------------------------------------------------------------------
 
 
+class _Gather:
+    """GATHER: the full weights are not gathered yet (a checkpoint outside a publication)."""
+
+
+GATHER = _Gather()
+
+
 @dataclass
 class RunState:
     """What the steps of one run share: where it started, the totals for the summary, and
@@ -212,6 +229,12 @@ class RunState:
     start_step: int
     wall_start: float
     last_checkpoint: Path | None = None
+    last_published: Path | None = None  # the directory of the newest published version (rank 0)
+    published_any: bool = False  # whether this run has published weights yet (every rank)
+    checkpoint_step: int | None = None  # the step of the newest full checkpoint
+    skipped_no_signal: int = 0
+    skipped_non_finite: int = 0
+    last_step: int | None = None  # the newest step trained (every rank)
     wait_seconds: float = 0.0
     train_seconds: float = 0.0
     stale_sum: float = 0.0
@@ -221,7 +244,11 @@ class RunState:
     prefetch: asyncio.Task | None = None  # batch N+1, fetched while step N trains
     before_eval: asyncio.Task | None = None  # awaited before version start_step + 1 is published
 
-    def add_step(self, wait_s: float, train_s: float, sums: dict[str, float], reward_mean: float) -> None:
+    def add_step(self, step: int, wait_s: float, train_s: float, sums: dict[str, float], reward_mean: float,
+                 result: dict[str, Any]) -> None:
+        self.last_step = step
+        self.skipped_no_signal += int(result.get("skipped_no_signal", 0))
+        self.skipped_non_finite += int(result.get("skipped_non_finite", 0))
         self.wait_seconds += wait_s
         self.train_seconds += train_s
         self.stale_sum += sums["stale_sum"]
@@ -249,6 +276,10 @@ class Trainer:
             try:
                 for step in range(self.state.start_step, self.settings.max_steps):
                     await self.step(step)
+            except BehaviourMismatchError:
+                # Every rank stops at the same step: keep what it trained.
+                await self._final_checkpoint()
+                raise
             finally:
                 self.progress.close()
                 if self.state.prefetch is not None:
@@ -265,6 +296,7 @@ class Trainer:
         import torch
 
         from services.trainer.learner import Learner, LossConfig
+        from services.trainer.sharding import make_sharding
 
         s = self.settings
         wall_start = time.monotonic()
@@ -276,14 +308,21 @@ class Trainer:
         max_len = s.max_completion_length or self.config.max_tokens
         loss_cfg = LossConfig(loss_type=s.loss, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
                               tis_cap=s.tis_cap, beta=s.beta, temperature=temperature,
-                              max_completion_length=max_len)
+                              max_completion_length=max_len,
+                              importance_sampling_level=s.importance_sampling_level,
+                              mask_truncated_completions=s.mask_truncated_completions,
+                              logprob_chunk_size=s.logprob_chunk_size)
 
         torch.manual_seed(s.seed)
-        loaded = set_up_model(s, world.device)
+        self.sharding = make_sharding(s.sharding, distributed=world.distributed, rank=world.rank,
+                                      world_size=world.world_size, device=world.device)
+        loaded = set_up_model(s, world.device, self.sharding)
         self.model, self.optimizer = loaded.model, loaded.optimizer
+        self.publish_dtype = loaded.publish_dtype
+        self.publish_root = Path(s.publish_dir) if s.publish_dir else Path(s.run_dir) / "published"
         self.learner = Learner(loaded.model, loaded.optimizer, loss_cfg, device=world.device,
                                ref_model=loaded.ref_model, max_grad_norm=s.max_grad_norm,
-                               distributed=world.distributed, train_mode=s.gradient_checkpointing)
+                               sharding=self.sharding, train_mode=s.gradient_checkpointing)
 
         start_step, resumed_from = loaded.start_step, loaded.resumed_from
         self.metrics = MetricsLogger(s.run_dir, enabled=world.is_main, tensorboard=s.tensorboard)
@@ -292,18 +331,28 @@ class Trainer:
         if world.is_main:
             self.metrics.write({"event": "start", "start_step": start_step, "max_steps": s.max_steps,
                                 "world_size": world.world_size, "device": str(world.device),
-                                "dtype": str(loaded.dtype), "temperature": temperature,
+                                "sharding": self.sharding.kind, "dtype": str(loaded.dtype),
+                                "publish_dtype": str(loaded.publish_dtype), "publish_dir": str(self.publish_root),
+                                "temperature": temperature,
                                 "resumed_from": str(resumed_from) if resumed_from else None,
                                 "sampler_config": self.config.model_dump(), "settings": self.public_settings})
             log.info("trainer: steps %d..%d, %d rank(s) on %s, loss %s, temperature %g%s",
                      start_step, s.max_steps - 1, world.world_size, world.device, s.loss, temperature,
                      f", resumed from {resumed_from}" if resumed_from else "")
-            if resumed_from is not None:
-                # The previous run may have died between saving and publishing.
-                await self._publish(start_step, resumed_from)
-        world.barrier()
+        self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
+                              checkpoint_step=start_step - 1 if resumed_from is not None else None)
+        if resumed_from is not None:
+            # The previous run may have died between saving and publishing: publish the
+            # resumed version again (every rank: gathering the weights is a collective).
+            full = await self._in_thread(self.sharding.full_state_dict, self.model)
+            if world.is_main:
+                self.state.last_published = await self._in_thread(self._write_published, start_step, start_step - 1,
+                                                                   full)
+                await self._publish(start_step, self.state.last_published)
+            self.state.published_any = True
+            del full
+        await self._in_thread(world.barrier)
 
-        self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from)
         if world.is_main and s.eval_at_start:
             self.state.before_eval = asyncio.create_task(self._eval(start_step, start_step, "before"))
         self.progress = ProgressBar(s.max_steps, start_step, enabled=world.is_main and s.progress)
@@ -326,11 +375,10 @@ class Trainer:
         train_s = time.monotonic() - t_train
         record = step_record(step, lr, result, sums, batch, wait_s, train_s)
 
-        if world.is_main:
-            await self._checkpoint_and_publish(step, batch, record, lr)
+        await self._publish_step(step, batch, record, lr)
         await self._in_thread(world.barrier)
 
-        self.state.add_step(wait_s, train_s, sums, record["reward_mean"])
+        self.state.add_step(step, wait_s, train_s, sums, record["reward_mean"], result)
         if world.is_main:
             self.metrics.write(record)
             self.progress.update(step + 1, describe(record))
@@ -373,34 +421,115 @@ class Trainer:
             )
         return batch, wait_s
 
-    async def _checkpoint_and_publish(self, step: int, batch: Batch, record: dict[str, Any], lr: float) -> None:
-        """Rank 0's part of step `step`: probe, checkpoint, publish version step + 1, prune.
-        Fills in the record's probe_s, checkpoint_s and publish_s."""
+    async def _publish_step(self, step: int, batch: Batch, record: dict[str, Any], lr: float) -> None:
+        """Publish version step + 1 (every rank calls it: gathering the weights, the probe's
+        forward and the optimizer shards are collectives under fsdp; rank 0 writes and POSTs),
+        with a full checkpoint when one is due. Fills in the record's probe_s, write_s,
+        checkpoint_s, publish_s, published_bytes and checkpoint_bytes."""
+        s, state, world = self.settings, self.state, self.world
+        # Decided alike on every rank (the gathers below are collectives): the skip flags are
+        # all-rank values, and every rank knows whether this run has published yet.
+        unchanged = bool(record.get("skipped_no_signal") or record.get("skipped_non_finite"))
+        reuse = unchanged and state.published_any
+        checkpoint_due = (step + 1) % s.checkpoint_every == 0 or step + 1 == s.max_steps
+
+        full = None
+        if not reuse or checkpoint_due:
+            full = await self._in_thread(self.sharding.full_state_dict, self.model)
+        probe = await self._probe(batch, record)
+
+        if world.is_main:
+            t0 = time.monotonic()
+            if reuse:
+                path = state.last_published  # the weights did not move: version step + 1 = version step
+            else:
+                path = await self._in_thread(self._write_published, step + 1, step, full)
+                record["published_bytes"] = _dir_bytes(path)
+            record["write_s"] = time.monotonic() - t0
+        if checkpoint_due:
+            await self._checkpoint(step, lr, full, record)
+        del full
+
+        if world.is_main:
+            if step == state.start_step and state.before_eval is not None:
+                # The "before" eval must see the starting weights: publish only once it is done.
+                await state.before_eval
+            t0 = time.monotonic()
+            await self._publish(step + 1, path, probe=probe, metrics=published_metrics(record))
+            record["publish_s"] = time.monotonic() - t0
+            state.last_published = path
+        state.published_any = True
+        if world.is_main:
+            # Prune only after publishing, so the previous published version stays on disk.
+            ckpt.prune_published(self.publish_root, s.keep_published)
+
+    def _write_published(self, version: int, step: int, full: dict[str, Any]) -> Path:
+        return ckpt.publish_weights(self.publish_root, version, full, self.model.config,
+                                    dtype=self.publish_dtype, step=step)
+
+    async def _probe(self, batch: Batch, record: dict[str, Any]) -> dict[str, Any] | None:
+        """The probe of the weights just published (services/trainer/probe.py): rank 0's (None
+        elsewhere). Under fsdp the forward is a collective, so every rank runs it on rank 0's ids."""
         from services.trainer.probe import compute_probe, probe_token_ids
 
-        s, state = self.settings, self.state
-        probe = None
-        probe_ids = probe_token_ids(batch.samples[0], s.probe_tokens)
-        if probe_ids is not None:
-            # Under the weights after this step's update, i.e. the ones saved below.
-            t0 = time.monotonic()
-            probe = await self._in_thread(compute_probe, self.model, probe_ids)
-            record["probe_s"] = time.monotonic() - t0
+        ids = probe_token_ids(batch.samples[0], self.settings.probe_tokens) if self.world.is_main else None
+        collective = self.sharding.kind == "fsdp"
+        if collective:
+            ids = await self._in_thread(self.sharding.broadcast_object, ids)
+        if ids is None or not (collective or self.world.is_main):
+            return None
+        def probe_in_publish_dtype() -> dict[str, Any]:
+            # In the training thread (autocast is per thread): matmuls in the published dtype,
+            # as the inference server computes with the weights it loads.
+            import torch
+
+            dtype, device = self.publish_dtype, self.world.device
+            compute = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+            try:
+                with compute:
+                    return compute_probe(self.model, ids, DTYPE_NAMES.get(dtype))
+            finally:
+                self.sharding.reshard(self.model)
+
         t0 = time.monotonic()
-        state.last_checkpoint = await self._in_thread(
-            ckpt.save_checkpoint, s.run_dir, step, self.model, model_dir=s.model,
-            optimizer=self.optimizer if s.save_optimizer else None,
-            state={"lr": lr, "world_size": self.world.world_size, "settings": self.public_settings},
-        )
-        record["checkpoint_s"] = time.monotonic() - t0
-        if step == state.start_step and state.before_eval is not None:
-            # The "before" eval must see version 0: publish only once it is done.
-            await state.before_eval
+        probe = await self._in_thread(probe_in_publish_dtype)
+        record["probe_s"] = time.monotonic() - t0
+        return probe if self.world.is_main else None
+
+    async def _checkpoint(self, step: int, lr: float, full: dict[str, Any] | None | _Gather,
+                          record: dict[str, Any] | None = None) -> None:
+        """Full checkpoint `step` (every rank calls it): float32 weights (`full`, as gathered for
+        publication: rank 0's dict, None elsewhere; or GATHER) and optimizer state, for a resume;
+        rank 0 commits and prunes."""
+        s, state, world = self.settings, self.state, self.world
         t0 = time.monotonic()
-        await self._publish(step + 1, state.last_checkpoint, probe=probe, metrics=published_metrics(record))
-        record["publish_s"] = time.monotonic() - t0
-        # Prune only after publishing, so the previous published version stays on disk.
-        ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
+        if full is GATHER:
+            full = await self._in_thread(self.sharding.full_state_dict, self.model)
+        tmp = ckpt.checkpoint_dir(s.run_dir) / f".tmp-step-{step}"
+        if world.is_main:
+            tmp = await self._in_thread(ckpt.begin_checkpoint, s.run_dir, step)
+        await self._in_thread(world.barrier)
+        if s.save_optimizer:
+            await self._in_thread(self.sharding.save_optimizer, self.model, self.optimizer, tmp)
+        await self._in_thread(world.barrier)
+        if world.is_main:
+            state.last_checkpoint = await self._in_thread(
+                ckpt.commit_checkpoint, s.run_dir, step, tmp, model=self.model, state_dict=full, model_dir=s.model,
+                state={"lr": lr, "world_size": world.world_size, "sharding": self.sharding.kind,
+                       "settings": self.public_settings},
+            )
+            ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
+            if record is not None:
+                record["checkpoint_bytes"] = _dir_bytes(state.last_checkpoint)
+                record["checkpoint_s"] = time.monotonic() - t0
+        state.checkpoint_step = step
+
+    async def _final_checkpoint(self) -> None:
+        """A full checkpoint of the last trained step, unless it has one (a run stopping early)."""
+        state = self.state
+        last = state.last_step
+        if last is not None and state.checkpoint_step != last:
+            await self._checkpoint(last, learning_rate(self.settings, last), GATHER)
 
     # -- finish ---------------------------------------------------------------------------
 
@@ -435,6 +564,9 @@ class Trainer:
             "eval_reward_after": after.get("reward") if after else None,
             "evals": self.evals,
             "last_checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
+            "last_published": str(state.last_published) if state.last_published else None,
+            "skipped_steps_no_signal": state.skipped_no_signal,
+            "skipped_steps_non_finite": state.skipped_non_finite,
             "metrics_path": str(self.metrics.path),
             "world_size": world.world_size,
         }
@@ -514,6 +646,10 @@ class Trainer:
         self.metrics.write(record)
         log.info("eval %s (version %d): reward %s in %.1fs", label, version, record.get("reward"), record["seconds"])
         return record
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 async def train(settings: TrainerSettings, client: SamplerClient | None = None) -> dict[str, Any]:

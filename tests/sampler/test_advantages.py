@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from services.sampler.advantages import group_advantages
+from services.sampler.advantages import NonFiniteAdvantages, group_advantages
 
 
 def test_grpo_by_hand():
@@ -28,3 +28,18 @@ def test_equal_rewards_give_zero_advantage():
 def test_unknown_mode():
     with pytest.raises(ValueError, match="unknown advantage mode"):
         group_advantages([1.0, 0.0], "ppo")
+
+
+@pytest.mark.parametrize("mode", ["grpo", "no_std", "rloo"])
+def test_advantages_are_never_non_finite(mode):
+    for rewards in ([1.0, float("nan")], [float("inf"), 0.0], [float("nan")], [float("-inf")] * 3):
+        with pytest.raises(NonFiniteAdvantages, match="finite"):
+            group_advantages(rewards, mode)
+    # Huge but finite rewards: finite advantages (grpo is scale-free), or a clear error.
+    try:
+        advantages = group_advantages([1.7e308, -1.7e308, 0.0], mode)
+    except NonFiniteAdvantages:
+        assert mode != "grpo"
+    else:
+        assert all(math.isfinite(a) for a in advantages)
+    assert group_advantages([1e200, -1e200], "grpo") == pytest.approx([0.7071067, -0.7071067])

@@ -120,14 +120,15 @@ def _choice(index, token_ids, logprobs, spans, **extra):
 
 def test_parse_completions_versions_and_logprobs():
     body = {"choices": [
-        _choice(0, [5, 6], [-0.5, None], [{"version": "4"}]),  # a null logprob reads as 0.0
+        _choice(0, [5, 6], [-0.5, None], [{"version": "4"}]),  # a null logprob: 0.0, masked out
         _choice(1, [5], [-1], [{"version": 7}]),  # an int label; an int logprob becomes a float
         _choice(2, [5, 6, 7], [-0.1, -0.2, -0.3], [{"version": "5"}, {"version": "4"}, {"version": "5"}]),
         _choice(3, [5], [-0.1], []),  # no spans: the version served when the request was sent
     ]}
     parsed = parse_completions(body, served_version=4)
     assert [c.versions for c in parsed] == [[4], [7], [4, 5], [4]]
-    assert parsed[0].logprobs == [-0.5, 0.0]
+    assert parsed[0].logprobs == [-0.5, 0.0] and parsed[0].loss_mask == [1, 0]
+    assert [c.loss_mask for c in parsed[1:]] == [None, None, None]
     assert parsed[1].logprobs == [-1.0] and type(parsed[1].logprobs[0]) is float
     # Each completion owns its lists.
     assert parsed[0].prompt_token_ids == parsed[1].prompt_token_ids and parsed[0].prompt_token_ids is not parsed[1].prompt_token_ids

@@ -1,7 +1,10 @@
 """A small environment for the trainer's integration tests (loaded by the sampler as
-`tests.trainer.letter_env:LetterEnv`): the prompt names a letter, the reward is the
-fraction of completion characters equal to it. A random tiny model scores ~1/100, and
-every completion gets a graded reward, so advantages are non-zero from the first step.
+`tests.trainer.letter_env:LetterEnv`): the prompt names a letter, and each completion
+character scores by how close it is to that letter (1 for the letter itself, falling
+linearly to 0 at 128 code points away); the reward is the mean over the characters. A random
+tiny model's completions all get different graded rewards, so every group carries advantage
+signal from the first step (the trainer skips steps without any, and these tests count steps
+that move the weights).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from services.sampler.envs.base import Completion, Environment, Example, Reward
 
 async def letter_fraction(example: Example, completion: Completion) -> float:
     text = completion.text
-    return sum(ch == example.answer for ch in text) / max(len(text), 1)
+    target = ord(example.answer)
+    return sum(max(0.0, 1 - abs(ord(ch) - target) / 128) for ch in text) / max(len(text), 1)
 
 
 class LetterEnv(Environment):

@@ -74,3 +74,72 @@ def test_resaving_a_step_replaces_it(tmp_path, model) -> None:
     ckpt.save_checkpoint(tmp_path, 3, model, state={"attempt": 2})
     assert ckpt.read_state(tmp_path / "checkpoints" / "step-3")["attempt"] == 2
     assert len(ckpt.list_checkpoints(tmp_path)) == 1
+
+
+# -- published weights ---------------------------------------------------------------------
+
+
+def test_published_weights_are_the_model_in_the_publish_dtype_and_nothing_else(tmp_path, model) -> None:
+    from safetensors.torch import load_file
+
+    path = ckpt.publish_weights(tmp_path / "pub", 7, model.state_dict(), model.config, dtype=torch.bfloat16, step=6)
+    assert path == tmp_path / "pub" / "version-7"
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", ckpt.PUBLISHED_FILE]
+    meta = json.loads((path / ckpt.PUBLISHED_FILE).read_text())
+    assert (meta["version"], meta["step"], meta["dtype"]) == (7, 6, "bfloat16")
+    weights = load_file(path / "model.safetensors")
+    state = ckpt.untie(model.state_dict(), model.config)
+    assert weights.keys() == state.keys()
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
+    # Half the bytes of float32 (the weights are nearly all of the file).
+    f32 = ckpt.publish_weights(tmp_path / "pub32", 7, model.state_dict(), model.config, dtype=torch.float32, step=6)
+    ratio = (path / "model.safetensors").stat().st_size / (f32 / "model.safetensors").stat().st_size
+    assert 0.49 < ratio < 0.52, ratio
+    assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_published_weights_load_into_the_cpu_inference_server(tmp_path, model, tiny_model_dir) -> None:
+    """The reader of a published directory: the CPU server's reload (vLLM's reads the same files)."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.inference.engine import Engine
+
+    moved = {name: t + 0.01 if t.is_floating_point() else t for name, t in model.state_dict().items()}
+    path = ckpt.publish_weights(tmp_path / "pub", 1, moved, model.config, dtype=torch.bfloat16, step=0)
+
+    async def reload() -> dict[str, torch.Tensor]:
+        served_model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+        engine = Engine(served_model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), model_path=tiny_model_dir)
+        await engine.start()
+        try:
+            await engine.reload_weights(path)
+            return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        finally:
+            await engine.close()
+
+    served = asyncio.run(reload())
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(served[name].float(), moved[name].to(torch.bfloat16).float())
+
+
+def test_non_finite_weights_are_never_published(tmp_path, model) -> None:
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    state["model.norm.weight"][3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values in \\['model.norm.weight'\\]"):
+        ckpt.publish_weights(tmp_path / "pub", 1, state, model.config, dtype=torch.float32, step=0)
+    assert ckpt.list_published(tmp_path / "pub") == []
+    assert not list((tmp_path / "pub").glob(".tmp-*"))
+
+
+def test_published_versions_are_pruned_newest_kept(tmp_path, model) -> None:
+    for version in range(1, 5):
+        ckpt.publish_weights(tmp_path, version, model.state_dict(), model.config, dtype=torch.float32,
+                             step=version - 1)
+    ckpt.prune_published(tmp_path, 2)
+    assert [v for v, _ in ckpt.list_published(tmp_path)] == [3, 4]
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        ckpt.prune_published(tmp_path, 0)

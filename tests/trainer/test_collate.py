@@ -60,3 +60,39 @@ def test_split_covers_every_sample_once() -> None:
     assert total == sum(sum(s.loss_mask) for s in samples)
     with pytest.raises(ValueError, match="cannot fill"):
         split_micro_batches(samples[:2], 3)
+
+
+def test_mask_truncated_clears_length_finished_samples() -> None:
+    stopped = _sample([5, 6], [10, 11], adv=0.5)
+    cut = _sample([7, 8, 9], [12, 13, 14], mask=[1, 0, 1], adv=-1.0)
+    cut.finish_reason = "length"
+    plain = collate([stopped, cut])
+    masked = collate([stopped, cut], mask_truncated=True)
+    assert plain.loss_mask.tolist() == [[1, 1, 0, 0], [0, 1, 0, 1]]
+    assert masked.loss_mask.tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
+    assert masked.tokens_per_sequence.tolist() == [2.0, 0.0]
+    # Still in the batch, with everything else as before.
+    for name in ("input_ids", "attention_mask", "targets", "behaviour_logprobs", "advantages"):
+        assert torch.equal(getattr(masked, name), getattr(plain, name)), name
+
+
+def test_split_passes_mask_truncated_on() -> None:
+    samples = make_samples(6)
+    for k in (1, 4):
+        samples[k].finish_reason = "length"
+    for flag in (False, True):
+        mbs = split_micro_batches(samples, 3, mask_truncated=flag)
+        for mb in mbs:
+            for row, i in enumerate(mb.indices):
+                expected = 0 if flag and i in (1, 4) else sum(samples[i].loss_mask)
+                assert mb.tokens_per_sequence[row].item() == expected, (flag, i)
+
+
+def test_non_finite_behaviour_logprob_is_masked_and_zeroed() -> None:
+    s = _sample([5, 6], [10, 11, 12, 13])
+    s.completion_logprobs = [-0.5, float("nan"), float("-inf"), float("inf")]
+    mb = collate([s])
+    # One sample with a 2-token prompt: its 4 completion tokens fill window columns 0..3.
+    assert mb.loss_mask.tolist() == [[1, 0, 0, 0]]
+    assert mb.behaviour_logprobs.tolist() == [[-0.5, 0.0, 0.0, 0.0]]
+    assert mb.tokens_per_sequence.tolist() == [1.0]

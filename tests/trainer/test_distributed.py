@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.trainer.collate import split_micro_batches
 from services.trainer.learner import Learner, LossConfig
+from services.trainer.sharding import make_sharding
 from tests.trainer.conftest import make_samples
 
 LOSSES = ("grpo", "dapo", "dr_grpo")
@@ -23,16 +25,16 @@ WORLD = 2
 
 def _gradients(model, samples, k: int, loss_type: str, distributed: bool) -> dict[str, torch.Tensor]:
     cfg = LossConfig(loss_type=loss_type, tis_cap=2.0, max_completion_length=8)
-    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg, distributed=distributed)
+    rank = dist.get_rank() if distributed else 0
+    sharding = make_sharding("ddp", distributed=distributed, rank=rank, world_size=WORLD if distributed else 1)
+    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg, sharding=sharding)
     mbs = split_micro_batches(samples, k)
     learner.accumulate(mbs, learner.global_normalizer(mbs))
-    learner.reduce_gradients()
+    learner.sharding.reduce_gradients(learner.params)
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _rank_main(rank: int, base, store_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)

@@ -92,20 +92,32 @@ async def test_trains_checkpoints_publishes_and_evaluates(stack, tiny_model_dir:
     # It trained on exactly the sampler's batches 0..2.
     assert [r["batch_digest"] for r in steps] == await _digests(sampler.url, range(3))
 
-    # keep_checkpoints = 2; the newest is version 3 and the sampler loaded it everywhere.
-    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1, 2]
+    # Every step published its weights (keep_published = 2: versions 2 and 3 remain); the
+    # one full checkpoint (checkpoint_every = 10) is the last step's. The newest version is 3
+    # and the sampler loaded it everywhere.
+    published = run_dir / "published"
+    assert [v for v, _ in ckpt.list_published(published)] == [2, 3]
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [2]
     async with SamplerClient(sampler.url) as client:
         served = await client.weights_version()
     assert served.version == 3
-    assert Path(served.checkpoint_path) == run_dir / "checkpoints" / "step-2"
+    assert Path(served.checkpoint_path) == ckpt.version_path(published, 3)
     assert all(server.version == 3 for server in served.servers), served.servers
+    # Publication writes weights only; the optimizer state goes with the full checkpoint.
+    assert sorted(p.name for p in ckpt.version_path(published, 3).iterdir()) == [
+        "config.json", "model.safetensors", ckpt.PUBLISHED_FILE]
+    assert all(r["published_bytes"] > 0 for r in steps)
+    assert [r["checkpoint_bytes"] > 0 for r in steps] == [False, False, True]
 
     from safetensors.torch import load_file
 
     start = load_file(tiny_model_dir / "model.safetensors")
-    final = load_file(run_dir / "checkpoints" / "step-2" / "model.safetensors")
+    final = load_file(ckpt.version_path(published, 3) / "model.safetensors")
     changed = [name for name in start if not torch.equal(start[name], final[name])]
     assert len(changed) == len(start), sorted(set(start) - set(changed))
+    # The published version is the checkpoint's weights (float32 on CPU: publish_dtype auto).
+    saved = load_file(ckpt.step_path(run_dir, 2) / "model.safetensors")
+    assert all(torch.equal(final[name], saved[name]) for name in final)
 
 
 async def test_resume_continues_with_the_same_batches(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -127,6 +139,35 @@ async def test_resume_continues_with_the_same_batches(stack, tiny_model_dir: Pat
     # The resumed run continued AdamW from the saved state: step counts keep growing.
     state = torch.load(ckpt.step_path(run_dir, 3) / ckpt.OPTIMIZER_FILE)
     assert all(s["step"] == 4 for s in state["state"].values())
+
+
+async def test_resume_from_an_older_full_checkpoint_retrains_the_steps_since(stack, tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """Publication is every step, full checkpoints every `checkpoint_every`: a trainer that dies
+    between the two resumes from the older checkpoint, while the sampler already serves newer
+    versions. It trains those steps again on the same batches (the sampler keeps them) and the
+    sampler's version never goes backwards."""
+    import shutil
+
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=3, checkpoint_every=2,
+                          eval_at_start=False, eval_at_end=False))
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1, 2]
+    shutil.rmtree(ckpt.step_path(run_dir, 2))  # as if it died before the last checkpoint
+    async with SamplerClient(sampler.url) as client:
+        assert (await client.weights_version()).version == 3
+
+    summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=4, checkpoint_every=2,
+                                    eval_at_start=False, eval_at_end=False))
+    assert summary["start_step"] == 2 and summary["final_version"] == 4
+    steps = _records(run_dir, "step")
+    assert [r["step"] for r in steps] == [0, 1, 2, 2, 3]
+    assert steps[2]["batch_digest"] == steps[3]["batch_digest"]  # the same batch 2, trained again
+    async with SamplerClient(sampler.url) as client:
+        served = await client.weights_version()
+    assert served.version == 4 and all(server.version == 4 for server in served.servers)
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1, 3]
 
 
 def test_cli_refuses_a_batch_shape_mismatch(stack, tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
@@ -158,29 +199,63 @@ def test_cli_refuses_a_sampler_that_truncates_sampling(make_sampler, tiny_model_
     assert not (tmp_path / "t" / "checkpoints").exists()
 
 
-@pytest.mark.slow
-def test_two_ranks_under_torchrun(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
-    sampler, _ = stack
-    run_dir = tmp_path / "trainer"
+def _torchrun(sampler, tiny_model_dir: Path, run_dir: Path, *flags: str) -> None:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "-m", "services.cli", "trainer", "--model", str(tiny_model_dir), "--sampler-url", sampler.url,
             "--api-token", TOKEN, "--run-dir", str(run_dir), "--per-device-batch-size", "2",
-            "--grad-accum-steps", "2", "--max-steps", "2", "--learning-rate", "1e-3", "--device", "cpu",
-            "--no-progress", "--no-eval-at-start", "--no-eval-at-end"]
+            "--grad-accum-steps", "2", "--learning-rate", "1e-3", "--device", "cpu",
+            "--no-progress", "--no-eval-at-start", "--no-eval-at-end", *flags]
     # The caller's TANDEM_* variables would override the flags' defaults in both ranks.
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(argv, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    _torchrun(sampler, tiny_model_dir, run_dir, "--max-steps", "2", "--sharding", "ddp")
+
     steps = _records(run_dir, "step")
     assert [r["step"] for r in steps] == [0, 1]
     assert all(r["samples"] == 8 for r in steps)  # both ranks' shares, reduced
     assert _records(run_dir, "start")[0]["world_size"] == 2
-    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [0, 1]
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1]
     served = asyncio.run(_served_version(sampler.url))
     assert served == 2
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_publish_checkpoint_and_resume_sharded(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """FSDP2 over 2 gloo ranks: each rank holds half of every parameter and of the AdamW state.
+    The published weights are the gathered whole; the full checkpoint's optimizer state is
+    written shard by shard, and a second torchrun resumes from it."""
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    _torchrun(sampler, tiny_model_dir, run_dir, "--max-steps", "2", "--sharding", "fsdp", "--checkpoint-every", "1")
+    assert _records(run_dir, "start")[0]["sharding"] == "fsdp"
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [0, 1]
+    step1 = ckpt.step_path(run_dir, 1)
+    assert (step1 / "optimizer").is_dir() and not (step1 / ckpt.OPTIMIZER_FILE).exists()
+    from safetensors.torch import load_file
+
+    published = load_file(ckpt.version_path(run_dir / "published", 2) / "model.safetensors")
+    saved = load_file(step1 / "model.safetensors")
+    start = load_file(tiny_model_dir / "model.safetensors")
+    assert published.keys() == start.keys()
+    for name, tensor in published.items():
+        assert tensor.shape == start[name].shape, name  # whole, not a shard
+        assert torch.equal(tensor, saved[name]), name
+    assert not all(torch.equal(published[n], start[n]) for n in start)
+
+    _torchrun(sampler, tiny_model_dir, run_dir, "--max-steps", "3", "--sharding", "fsdp", "--checkpoint-every", "1")
+    starts = _records(run_dir, "start")
+    assert starts[-1]["start_step"] == 2 and starts[-1]["resumed_from"] == str(step1)
+    assert [r["step"] for r in _records(run_dir, "step")] == [0, 1, 2]
+    assert asyncio.run(_served_version(sampler.url)) == 3
 
 
 async def _served_version(url: str) -> int:
@@ -200,7 +275,7 @@ def test_sigkill_mid_run_then_resume(stack, tiny_model_dir: Path, tmp_path: Path
     argv = [sys.executable, "-m", "services.cli", "trainer", "--model", str(tiny_model_dir),
             "--sampler-url", sampler.url, "--api-token", TOKEN, "--run-dir", str(run_dir),
             "--per-device-batch-size", "4", "--grad-accum-steps", "2", "--max-steps", "50",
-            "--no-progress", "--no-eval-at-start", "--no-eval-at-end"]
+            "--checkpoint-every", "1", "--no-progress", "--no-eval-at-start", "--no-eval-at-end"]
     proc = ServiceProcess(argv, name="trainer", log_path=tmp_path / "trainer.log",
                           env={"OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 60
@@ -213,7 +288,7 @@ def test_sigkill_mid_run_then_resume(stack, tiny_model_dir: Path, tmp_path: Path
     assert killed_at < 49, "the run finished before the kill; nothing was tested"
 
     final = killed_at + 3
-    summary = asyncio.run(train(_settings(tiny_model_dir, sampler, run_dir, max_steps=final,
+    summary = asyncio.run(train(_settings(tiny_model_dir, sampler, run_dir, max_steps=final, checkpoint_every=1,
                                           eval_at_start=False, eval_at_end=False)))
     assert summary["start_step"] == killed_at + 1 and summary["final_version"] == final
     steps = _records(run_dir, "step")
@@ -270,8 +345,8 @@ async def test_publishes_a_probe_the_servers_pass_and_the_step_metrics(stack, ti
             ids = [int(t) for t in [*first.prompt_token_ids, *first.completion_token_ids]][:64]
             probe = body["probe"]
             assert probe["token_ids"] == ids and probe["dtype"] == "float32"
-            # Computed under exactly the weights saved as this version's checkpoint.
-            assert body["checkpoint_path"] == str(ckpt.step_path(run_dir, step))
+            # Computed under exactly the weights published as this version.
+            assert body["checkpoint_path"] == str(ckpt.version_path(run_dir / "published", step + 1))
             saved = compute_probe(load_model(body["checkpoint_path"], torch.float32, torch.device("cpu")), ids)
             assert probe["logprobs"][0] is None
             assert max(abs(a - b) for a, b in zip(probe["logprobs"][1:], saved["logprobs"][1:])) < 1e-5
@@ -311,8 +386,9 @@ async def test_wrong_behaviour_logprobs_stop_the_run_after_patience(stack, tiny_
     error = info.value
     assert error.steps == [0, 1] and error.threshold == 0.2 and error.value > 0.9
     assert "max_behaviour_mismatch=0" in str(error) and "2 consecutive steps" in str(error)
-    # Nothing lost: step 1's checkpoint is written and published, its metrics logged.
-    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [0, 1]
+    # Nothing lost: step 1 is published, its metrics logged, and a full checkpoint written on
+    # the way out although checkpoint_every (10) was not due.
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1]
     assert served.version == 2
     assert [r["step"] for r in _records(run_dir, "step")] == [0, 1]
     warnings = _records(run_dir, "behaviour_mismatch")

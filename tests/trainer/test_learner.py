@@ -84,3 +84,79 @@ def test_several_iterations_clip_against_the_first_pass(base_model) -> None:
     assert learner.optimizer.state[next(iter(learner.params))]["step"] == 3
     assert metrics["clip_fraction"] > 0
     assert metrics["grad_norm_last"] != metrics["grad_norm"]
+
+
+# -- steps that must leave the weights as they were -----------------------------------------
+
+
+def _zero_advantages(samples):
+    return [s.model_copy(update={"advantage": 0.0}) for s in samples]
+
+
+def test_a_batch_without_advantage_signal_does_not_move_the_weights(base_model) -> None:
+    """All advantages 0 (every group solved, or every group failed): the gradient is zero, but an
+    AdamW step would still move the weights with its momentum and weight decay. Skipped, counted."""
+    model = copy.deepcopy(base_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    learner = Learner(model, opt, LossConfig(max_completion_length=8), max_grad_norm=1.0)
+    learner.train_on_samples(make_samples(8), grad_accum_steps=2, lr=1e-2)  # momentum now non-zero
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    adam_steps = [s["step"].item() for s in opt.state.values()]
+
+    metrics = learner.train_on_samples(_zero_advantages(make_samples(8, seed=5)), grad_accum_steps=2,
+                                       num_iterations=2, lr=1e-2)
+    assert metrics["skipped_no_signal"] == 1.0 and metrics["skipped_non_finite"] == 0.0
+    assert metrics["grad_norm"] == 0.0 and metrics["loss"] == 0.0
+    assert metrics["loss_tokens"] > 0 and metrics["logprob_mean"] < 0  # the forward's metrics are there
+    moved = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]
+    assert not moved, moved
+    assert [s["step"].item() for s in opt.state.values()] == adam_steps
+
+    # A single non-zero advantage is signal again.
+    samples = _zero_advantages(make_samples(8, seed=5))
+    samples[3] = samples[3].model_copy(update={"advantage": 0.5})
+    metrics = learner.train_on_samples(samples, grad_accum_steps=2, lr=1e-2)
+    assert metrics["skipped_no_signal"] == 0.0 and metrics["grad_norm"] > 0
+
+
+def test_kl_term_is_signal_without_advantages(base_model) -> None:
+    model = copy.deepcopy(base_model)
+    learner = _learner(model, beta=0.1)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)  # away from the reference, so the KL term pulls back
+    metrics = learner.train_on_samples(_zero_advantages(make_samples(8)), grad_accum_steps=1, lr=1e-3)
+    assert metrics["skipped_no_signal"] == 0.0 and metrics["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("poison", ["reward", "logits"])
+def test_a_non_finite_loss_or_gradient_skips_the_step(base_model, poison: str) -> None:
+    model = copy.deepcopy(base_model)
+    learner = _learner(model, loss_type="grpo")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    samples = make_samples(8)
+    if poison == "reward":
+        # A NaN advantage (the sampler drops these; defence in depth) makes the loss NaN.
+        samples[2] = samples[2].model_copy(update={"advantage": float("nan")})
+    else:
+        # Weights that overflow in the forward: an infinite gradient norm.
+        with torch.no_grad():
+            model.lm_head.weight[5].fill_(float("inf"))
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    metrics = learner.train_on_samples(samples, grad_accum_steps=2, lr=1e-3)
+    assert metrics["skipped_non_finite"] == 1.0 and metrics["skipped_no_signal"] == 0.0
+    assert not (torch.isfinite(torch.tensor(metrics["loss"])) and torch.isfinite(torch.tensor(metrics["grad_norm"])))
+    moved = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]
+    assert not moved, moved
+    assert all(p.grad is None for p in model.parameters())
+    assert not learner.optimizer.state  # AdamW never stepped
+
+
+def test_mask_truncated_completions_takes_them_out_of_the_loss(base_model) -> None:
+    samples = make_samples(8)
+    samples = [s.model_copy(update={"finish_reason": "length"}) if i % 2 else s for i, s in enumerate(samples)]
+    kept = [s for s in samples if s.finish_reason != "length"]
+    masked = _learner(copy.deepcopy(base_model), mask_truncated_completions=True).train_on_samples(
+        samples, grad_accum_steps=1, lr=1e-3)
+    assert masked["loss_tokens"] == sum(sum(s.loss_mask) for s in kept)
+    plain = _learner(copy.deepcopy(base_model)).train_on_samples(samples, grad_accum_steps=1, lr=1e-3)
+    assert plain["loss_tokens"] == sum(sum(s.loss_mask) for s in samples)

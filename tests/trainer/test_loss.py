@@ -146,3 +146,214 @@ def test_empty_batch_gives_zero_loss() -> None:
     assert out.loss.item() == 0.0
     out.loss.backward()
     assert torch.count_nonzero(logp.grad) == 0
+
+
+# -- token_logprobs: chunked forward and backward against float64 autograd ---------------
+
+
+def _reference_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The plain float64 computation: log_softmax, then pick the target."""
+    scaled = logits.double() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _logits_case(dtype: torch.dtype = torch.float32, B: int = 3, T: int = 5, V: int = 11) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    # One position more than scored, so the scored logits are the non-contiguous slice
+    # `full[:, :-1]` the learner passes.
+    full = (torch.randn(B, T + 1, V, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    grad_out = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    return full, targets, grad_out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_float64_reference(temperature: float) -> None:
+    full, targets, _ = _logits_case()
+    logits = full[:, :-1]
+    assert not logits.is_contiguous()
+    got = token_logprobs(logits, targets, temperature, chunk_size=4)  # chunks straddle rows (T = 5)
+    assert got.dtype == torch.float32 and got.shape == (3, 5)
+    torch.testing.assert_close(got.double(), _reference_logprobs(logits, targets, temperature), rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_logprobs_gradcheck_float64() -> None:
+    full, targets, _ = _logits_case(torch.float64, B=2, T=3, V=5)
+    full.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x[:, :-1], targets, 0.7, chunk_size=2), (full,))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 2**-8)])
+def test_chunked_logprobs_gradient_equals_reference_autograd(dtype: torch.dtype, tol: float) -> None:
+    full, targets, grad_out = _logits_case(dtype)
+    ours = full.clone().requires_grad_(True)
+    token_logprobs(ours[:, :-1], targets, 0.7, chunk_size=4).backward(grad_out.to(torch.promote_types(dtype, torch.float32)))
+    # The reference sees the same (already rounded) logits, upcast to float64.
+    ref = full.double().requires_grad_(True)
+    _reference_logprobs(ref[:, :-1], targets, 0.7).backward(grad_out)
+    assert ours.grad.dtype == dtype  # no float32 gradient of bf16 logits
+    # Ours is computed in float32 (float64 for float64 logits) and rounded once to the logits' dtype.
+    torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=tol, atol=tol)
+    assert torch.count_nonzero(ours.grad[:, -1]) == 0  # the unscored last position
+
+
+def test_chunk_size_does_not_change_results() -> None:
+    full, targets, grad_out = _logits_case(torch.bfloat16)
+    n = targets.numel()
+    results = []
+    for chunk_size in (1, 3, n, 4 * n):
+        logits = full.clone().requires_grad_(True)
+        value = token_logprobs(logits[:, :-1], targets, 0.7, chunk_size=chunk_size)
+        value.backward(grad_out.float())
+        results.append((value.detach(), logits.grad))
+    for value, grad in results[1:]:
+        assert torch.equal(value, results[0][0])
+        assert torch.equal(grad, results[0][1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_logprobs(full, torch.zeros(3, 6, dtype=torch.long), chunk_size=0)
+
+
+def test_chunked_logprobs_without_grad_keep_nothing() -> None:
+    # The reference and pi_old passes run under no_grad: no graph, same values.
+    full, targets, _ = _logits_case()
+    with torch.no_grad():
+        got = token_logprobs(full[:, :-1], targets, 1.0, chunk_size=2)
+    assert got.grad_fn is None
+    torch.testing.assert_close(got.double(), _reference_logprobs(full[:, :-1], targets, 1.0), rtol=1e-6, atol=1e-6)
+
+
+# -- masked positions cannot leak ---------------------------------------------------------
+
+POISON = [-9999.0, float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("tis_cap", [None, 2.0])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_poisoned_masked_positions_change_nothing(level: str, tis_cap: float | None, loss_type: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    B, T = 3, 6
+    mask = (torch.rand(B, T, generator=gen) > 0.4).float()
+    mask[2] = 0.0  # one sequence without loss tokens at all
+    masked = mask == 0
+    clean = {name: -2.0 + 0.3 * torch.randn(B, T, generator=gen) for name in ("logp", "old", "behaviour", "ref")}
+    advantages = torch.randn(B, generator=gen)
+
+    def run(values: dict[str, torch.Tensor]) -> tuple:
+        logp = values["logp"].clone().requires_grad_(True)
+        out = policy_loss(logp, values["old"], values["behaviour"], advantages, mask, loss_type=loss_type,
+                          normalizer=3.0, tis_cap=tis_cap, beta=0.05, ref=values["ref"],
+                          importance_sampling_level=level)
+        out.loss.backward()
+        metrics = (out.tokens, out.clipped, out.is_weight_sum, out.is_weight_max, out.is_truncated,
+                   out.kl_sum, out.ratio_sum)
+        return out.loss.detach(), logp.grad, metrics
+
+    want = run(clean)
+    assert torch.isfinite(want[0]) and all(math.isfinite(m) for m in want[2])
+    for poison in POISON:
+        for name in clean:  # one input at a time, then all of them
+            dirty = dict(clean, **{name: clean[name].masked_fill(masked, poison)})
+            got = run(dirty)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2], (poison, name)
+        got = run({name: x.masked_fill(masked, poison) for name, x in clean.items()})
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2], poison
+
+
+# -- sequence-level importance sampling (GSPO) --------------------------------------------
+
+
+def _sequence_level_by_hand(logp, old, behaviour, advantages, mask, *, loss_type, normalizer, eps_low, eps_high,
+                            cap):
+    """Sequence-level loss, d loss / d logp and metrics, one sample at a time in python floats."""
+    B, T = len(logp), len(logp[0])
+    loss, grad = 0.0, [[0.0] * T for _ in range(B)]
+    metrics = {"tokens": 0, "clipped": 0, "is_truncated": 0, "is_weight_sum": 0.0, "ratio_sum": 0.0}
+    anchor = old if cap is not None else behaviour
+    for i in range(B):
+        loss_tokens = [t for t in range(T) if mask[i][t]]
+        n = len(loss_tokens)
+        if not n:
+            continue
+        s = math.exp(sum(logp[i][t] - anchor[i][t] for t in loss_tokens) / n)
+        w, truncated = 1.0, False
+        if cap is not None:
+            raw = math.exp(sum(old[i][t] - behaviour[i][t] for t in loss_tokens) / n)
+            w, truncated = min(raw, cap), raw >= cap
+        a = advantages[i]
+        c = min(max(s, 1 - eps_low), 1 + eps_high)
+        took_clip = c * a < s * a
+        per_token = -w * min(s * a, c * a)
+        # Each of the n tokens carries per_token: grpo averages them per sequence, dapo sums.
+        share = (1.0 if loss_type == "grpo" else n) / normalizer
+        loss += share * per_token
+        d_per_token_d_s = 0.0 if took_clip else -w * a
+        for t in loss_tokens:
+            grad[i][t] = share * d_per_token_d_s * s / n  # ds/dlogp_it = s / n
+        metrics["tokens"] += n
+        metrics["clipped"] += n * took_clip
+        metrics["is_truncated"] += n * truncated
+        metrics["is_weight_sum"] += n * w
+        metrics["ratio_sum"] += n * s
+    return loss, grad, metrics
+
+
+@pytest.mark.parametrize("tis_cap", [None, 1.3])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_sequence_level_matches_per_sample_computation(tis_cap: float | None, loss_type: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    B, T = 6, 5
+    mask = (torch.rand(B, T, generator=gen) > 0.3).float()
+    mask[0] = 0.0
+    mask[1] = torch.tensor([0.0, 1, 0, 0, 0])
+    # Per-sequence offsets of log(old / behaviour) and log(pi / old), plus token noise, so that
+    # some sequences are clipped (rows 4, 5), some truncated (rows 1, 3) and some neither.
+    log_w = torch.tensor([0.0, 0.5, 0.0, 0.4, 0.0, -0.2]).unsqueeze(-1)
+    log_r = torch.tensor([0.0, 0.1, -0.1, 0.05, 0.4, -0.3]).unsqueeze(-1)
+    behaviour = -1.5 + 0.5 * torch.randn(B, T, generator=gen)
+    old = behaviour + log_w + 0.05 * torch.randn(B, T, generator=gen)
+    logp0 = old + log_r + 0.05 * torch.randn(B, T, generator=gen)
+    advantages = torch.tensor([1.0, -1.0, 2.0, -0.5, 1.5, -2.0])
+    normalizer = loss_normalizer(loss_type, mask.sum(-1), None)
+    logp = logp0.clone().requires_grad_(True)
+    out = policy_loss(logp, old, behaviour, advantages, mask, loss_type=loss_type, normalizer=normalizer,
+                      epsilon_low=0.2, epsilon_high=0.28, tis_cap=tis_cap, importance_sampling_level="sequence")
+    out.loss.backward()
+    loss, grad, metrics = _sequence_level_by_hand(
+        logp0.tolist(), old.tolist(), behaviour.tolist(), advantages.tolist(), mask.tolist(),
+        loss_type=loss_type, normalizer=normalizer, eps_low=0.2, eps_high=0.28, cap=tis_cap)
+    assert out.loss.item() == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(logp.grad, torch.tensor(grad), rtol=1e-5, atol=1e-6)
+    assert 0 < metrics["clipped"] < metrics["tokens"]  # the case exercises both branches
+    if tis_cap is not None:
+        assert 0 < metrics["is_truncated"] < metrics["tokens"]
+    for name, value in metrics.items():
+        assert getattr(out, name) == pytest.approx(value, rel=1e-5), name
+
+
+def test_sequence_level_equals_token_level_with_one_token_per_sequence() -> None:
+    gen = torch.Generator().manual_seed(11)
+    B, T = 5, 4
+    mask = torch.zeros(B, T)
+    mask[torch.arange(B), torch.randint(0, T, (B,), generator=gen)] = 1.0
+    behaviour = -1.0 + 0.5 * torch.randn(B, T, generator=gen)
+    old = behaviour + 0.5 * torch.randn(B, T, generator=gen)
+    logp0 = old + 0.3 * torch.randn(B, T, generator=gen)
+    ref = old + 0.1 * torch.randn(B, T, generator=gen)
+    advantages = torch.randn(B, generator=gen)
+    outs = {}
+    for level in ("token", "sequence"):
+        logp = logp0.clone().requires_grad_(True)
+        out = policy_loss(logp, old, behaviour, advantages, mask, loss_type="grpo", normalizer=B, tis_cap=1.5,
+                          beta=0.1, ref=ref, importance_sampling_level=level)
+        out.loss.backward()
+        outs[level] = (out, logp.grad)
+    (tok, tok_grad), (seq, seq_grad) = outs["token"], outs["sequence"]
+    assert torch.equal(tok.loss, seq.loss)
+    assert torch.equal(tok_grad, seq_grad)
+    assert tok.clipped + tok.is_truncated > 0  # not a case where nothing happens
+    for name in ("tokens", "clipped", "is_weight_sum", "is_weight_max", "is_truncated", "kl_sum", "ratio_sum"):
+        assert getattr(tok, name) == getattr(seq, name), name
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        policy_loss(logp0, old, behaviour, advantages, mask, loss_type="grpo", normalizer=B,
+                    importance_sampling_level="sentence")

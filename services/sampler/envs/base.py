@@ -46,7 +46,9 @@ class Completion:
     finish_reason: str
     # Weight versions that produced the tokens, oldest first (from `weight_versions` spans).
     versions: list[int] = field(default_factory=list)
-    # 1 where the trainer learns from the token; None means every completion token.
+    # 1 where the trainer learns from the token; None means every completion token. The
+    # sampler sets 0 where the server reported no finite logprob (null, NaN, inf); an
+    # environment that builds its own Completion from generated ones must carry those zeros.
     loss_mask: list[int] | None = None
 
 

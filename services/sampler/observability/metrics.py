@@ -81,6 +81,22 @@ class _StateCollector(Collector):
             if server.last_probe is not None and server.last_probe.max_abs_diff is not None:
                 probe_diff.add_metric([server.url], server.last_probe.max_abs_diff)
         yield from (requests, failures, version, healthy, outstanding, states, resyncs, probe_diff, probe_failures)
+        nonfinite = rollouts.nonfinite
+        rewards = CounterMetricFamily("tandem_sampler_nonfinite_rewards",
+                                      "completions whose reward or a reward part was NaN or infinite (train: their "
+                                      "group was dropped; eval: left out of the means)", labels=["env", "split"])
+        for (env, split), count in sorted(nonfinite.rewards.items()):
+            rewards.add_metric([env, split], count)
+        groups = CounterMetricFamily("tandem_sampler_nonfinite_groups_dropped",
+                                     "training groups dropped (and refilled) for a non-finite reward", labels=["env"])
+        for env, count in sorted(nonfinite.groups.items()):
+            groups.add_metric([env], count)
+        logprobs = CounterMetricFamily("tandem_sampler_nonfinite_logprobs",
+                                       "completion tokens whose logprob the server sent as null or non-finite "
+                                       "(masked out of the loss)", labels=["server"])
+        for url, count in sorted(nonfinite.logprobs.items()):
+            logprobs.add_metric([url], count)
+        yield from (rewards, groups, logprobs)
         yield CounterMetricFamily("tandem_sampler_inference_answers_dropped",
                                   "answers dropped because their server had lost its weights (restarted)",
                                   value=pool.stats.backwards)

@@ -66,6 +66,7 @@ async def get_status(state: State) -> dict[str, Any]:
         },
         "strategy": state.strategy.snapshot(),
         "dynamic_sampling": state.source.snapshot(),
+        "nonfinite": state.rollouts.nonfinite.snapshot(),
         "curriculum": state.curriculum.snapshot(state.producer.next_step) if state.curriculum else None,
         "inference_servers": [srv.snapshot() for srv in pool.servers],
         "trainer": (await state.store.recent_trainer_metrics(1) or [None])[-1],
