@@ -154,51 +154,57 @@ def measure_in_subprocess(spec: dict[str, Any], timeout: float = 900.0) -> dict[
 
 def run(results_dir: Path, *, batch: int = 4, seq: int = 512, vocab: int = 151_936, hidden: int = 64,
         dtypes: tuple[str, ...] = ("bfloat16", "float32"), temperatures: tuple[float, ...] = (1.0, 0.7),
-        chunk_size: int = 1024, windows: tuple[str, ...] = ("logprob", "lm_head")) -> dict:
-    """Measure before and after for every window x dtype x temperature. The `lm_head` window
-    runs at the first temperature only: bfloat16 matmuls are slow on a CPU (minutes per run
-    at the default size), and the floor it adds is the same at any temperature."""
+        chunk_sizes: tuple[int, ...] = (1024, 256), windows: tuple[str, ...] = ("logprob", "lm_head")) -> dict:
+    """Measure before, and after at each chunk size, for every window x dtype x temperature.
+
+    The first chunk size is the default one; the others show what the knob buys. The
+    `lm_head` window runs at the first temperature and chunk size only: bfloat16 matmuls are
+    slow on a CPU (minutes per run at the default size), and the floor it adds is the same
+    whatever the temperature or chunk size.
+    """
     # Imported here, not at the top: the child processes import this module and need none of it.
     from bench._common import host, write_results
 
-    shape = {"batch": batch, "seq": seq, "vocab": vocab, "hidden": hidden, "chunk_size": chunk_size}
+    shape = {"batch": batch, "seq": seq, "vocab": vocab, "hidden": hidden}
     rows = []
     for window in windows:
         for dtype in dtypes:
             itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
             for temperature in temperatures if window == "logprob" else temperatures[:1]:
-                row: dict[str, Any] = {
-                    "window": window, "dtype": dtype, "temperature": temperature,
-                    "logits_mib": round(batch * (seq + 1) * vocab * itemsize / MIB, 1),
-                    "float32_copy_mib": round(batch * seq * vocab * 4 / MIB, 1),
-                }
-                for variant in ("before", "after"):
-                    row[variant] = measure_in_subprocess({**shape, "window": window, "variant": variant,
-                                                          "dtype": dtype, "temperature": temperature})
-                row["after_over_before"] = round(row["after"]["peak_mib"] / max(row["before"]["peak_mib"], 1e-9), 3)
-                # Same inputs, same math: the two must agree (bf16 gradients to bf16 rounding).
-                row["loss_rel_diff"] = (abs(row["after"]["loss"] - row["before"]["loss"])
-                                        / max(abs(row["before"]["loss"]), 1e-12))
-                row["grad_norm_rel_diff"] = (abs(row["after"]["grad_norm"] - row["before"]["grad_norm"])
-                                             / max(row["before"]["grad_norm"], 1e-12))
-                rows.append(row)
-    result = {"benchmark": "logprob_memory", "setup": {**shape, "positions": batch * seq}, "rows": rows,
-              "host": host(), "command": COMMAND}
+                case = {**shape, "window": window, "dtype": dtype, "temperature": temperature}
+                before = measure_in_subprocess({**case, "variant": "before", "chunk_size": None})
+                for chunk_size in chunk_sizes if window == "logprob" else chunk_sizes[:1]:
+                    after = measure_in_subprocess({**case, "variant": "after", "chunk_size": chunk_size})
+                    rows.append({
+                        "window": window, "dtype": dtype, "temperature": temperature, "chunk_size": chunk_size,
+                        "logits_mib": round(batch * (seq + 1) * vocab * itemsize / MIB, 1),
+                        "gradient_mib": round(batch * seq * vocab * itemsize / MIB, 1),
+                        "chunk_buffer_mib": round(min(chunk_size, batch * seq) * vocab * 4 / MIB, 1),
+                        "before": before, "after": after,
+                        "after_over_before": round(after["peak_mib"] / max(before["peak_mib"], 1e-9), 3),
+                        # Same inputs, same math: the two must agree.
+                        "loss_rel_diff": abs(after["loss"] - before["loss"]) / max(abs(before["loss"]), 1e-12),
+                        "grad_norm_rel_diff": (abs(after["grad_norm"] - before["grad_norm"])
+                                               / max(before["grad_norm"], 1e-12)),
+                    })
+    result = {"benchmark": "logprob_memory", "setup": {**shape, "positions": batch * seq,
+                                                       "float32_copy_mib": round(batch * seq * vocab * 4 / MIB, 1)},
+              "rows": rows, "host": host(), "command": COMMAND}
     write_results(results_dir, "logprob_memory", result, _markdown(result))
     return result
 
 
 def _markdown(result: dict[str, Any]) -> str:
     s = result["setup"]
-    chunk_mib = min(s["chunk_size"], s["positions"]) * s["vocab"] * 4 / MIB
     lines = [
         "# Logprob memory: per-row float32 (before) vs chunked (after)",
         "",
         f"hidden [{s['batch']}, {s['seq']} + 1, {s['hidden']}] -> LM head over a vocabulary of {s['vocab']:,} -> "
-        f"`token_logprobs(logits[:, :-1], targets, tau)` -> advantage-weighted sum -> backward, on the CPU. "
+        f"`token_logprobs(logits[:, :-1], targets, tau)` -> advantage-weighted sum -> backward, on the CPU "
+        f"({s['positions']} scored positions; a float32 copy of their logits is {s['float32_copy_mib']:.0f} MiB). "
         f"Before: the previous implementation (rows one at a time in float32, autograd keeping each row's float32 "
-        f"copy), kept in the benchmark as `previous_token_logprobs`. After: `services.trainer.loss.token_logprobs` "
-        f"with chunk_size {s['chunk_size']} (one float32 buffer of {chunk_mib:.0f} MiB).",
+        f"copy until the backward), kept in the benchmark as `previous_token_logprobs`. After: "
+        f"`services.trainer.loss.token_logprobs` (one float32 buffer of chunk_size x vocabulary).",
         "",
         "Windows: `logprob` = the forward and backward of the logprob computation alone (the logits exist before "
         "it; the gradient it returns, B x T x V in the logits' dtype, is inside it). `lm_head` = the LM head's "
@@ -208,22 +214,33 @@ def _markdown(result: dict[str, Any]) -> str:
         "a fresh process: VmHWM reset through /proc/self/clear_refs after setup and warm-up, read after the "
         "backward, minus VmRSS before the forward.",
         "",
-        "| window | logits dtype | tau | logits MiB | float32 copy MiB | before peak MiB | after peak MiB | "
-        "after / before | before s | after s | loss rel. diff | grad norm rel. diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| window | logits dtype | tau | chunk | logits MiB | gradient MiB | chunk buffer MiB | before peak MiB | "
+        "after peak MiB | after / before | before s | after s | loss rel. diff | grad norm rel. diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['window']} | {r['dtype']} | {r['temperature']} | {r['logits_mib']:.0f} | "
-            f"{r['float32_copy_mib']:.0f} | {r['before']['peak_mib']:.0f} | {r['after']['peak_mib']:.0f} | "
-            f"{r['after_over_before']:.2f} | {r['before']['seconds']:.1f} | {r['after']['seconds']:.1f} | "
-            f"{r['loss_rel_diff']:.1e} | {r['grad_norm_rel_diff']:.1e} |"
+            f"| {r['window']} | {r['dtype']} | {r['temperature']} | {r['chunk_size']} | {r['logits_mib']:.0f} | "
+            f"{r['gradient_mib']:.0f} | {r['chunk_buffer_mib']:.0f} | {r['before']['peak_mib']:.0f} | "
+            f"{r['after']['peak_mib']:.0f} | {r['after_over_before']:.2f} | {r['before']['seconds']:.1f} | "
+            f"{r['after']['seconds']:.1f} | {r['loss_rel_diff']:.1e} | {r['grad_norm_rel_diff']:.1e} |"
         )
     methods = sorted({r[v]["method"] for r in result["rows"] for v in ("before", "after")})
     threads = result["rows"][0]["after"]["threads"] if result["rows"] else "?"
+    first_chunk = result["rows"][0]["chunk_size"] if result["rows"] else 0
+    first_chunk_share = min(first_chunk, s["positions"]) / max(s["positions"], 1)
     lines += [
         "",
-        f"Measured with: {', '.join(methods)}; {threads} torch threads; host {result['host']}.",
+        "Reading it: in the `logprob` window the chunked peak is the gradient it must return plus one chunk "
+        "buffer, whatever the number of positions; the previous one grows with a float32 copy of every scored "
+        f"logit. Chunk {first_chunk} is {first_chunk_share:.0%} of the {s['positions']} positions here, so its buffer "
+        f"is that share of the float32 copy; at a trainer's 8 x 2048 positions it would be {first_chunk / 16384:.1%}. "
+        "In the `lm_head` window both variants also hold the logits and the full-size gradient of the unsliced "
+        "logits that the backward of the slice `[:, :-1]` builds beside the slice's own: about three logits' worth "
+        "in all, a floor that can hide the difference (compare it with the logits column).",
+        "",
+        f"Measured with: {', '.join(methods)}; {threads} torch threads; host {result['host']}. The seconds "
+        "are one run each on a shared machine: indicative only.",
         "",
         f"`{COMMAND}`",
     ]

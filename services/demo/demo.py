@@ -395,6 +395,9 @@ class Demo:
             "trainer_seconds": trainer.get("wall_seconds"),
             "reward_mean_first": trainer.get("reward_mean_first"),
             "reward_mean_last": trainer.get("reward_mean_last"),
+            # Steps that left the weights as they were: no advantage in the batch / non-finite loss.
+            "skipped_steps_no_signal": trainer.get("skipped_steps_no_signal"),
+            "skipped_steps_non_finite": trainer.get("skipped_steps_non_finite"),
             "evals": [{"label": e.get("label"), "version": e.get("version"), "reward": e.get("reward")}
                       for e in metrics.evals],
             "final_version": trainer.get("final_version"),
@@ -426,6 +429,7 @@ class Demo:
         self.say(f"  wall time              {num('wall_seconds', '.1f')} s  (start-up {num('startup_seconds', '.1f')} s)")
         self.say(f"  staleness mean         {num('staleness_mean', '.2f')}  (max {summary['staleness_max']})")
         self.say(f"  trainer waiting        {100 * (summary.get('trainer_wait_fraction') or 0):.0f}% of its time")
+        self.say(f"  steps without signal   {summary.get('skipped_steps_no_signal')}  (weights left as they were)")
         self.say(f"  served weights         version {summary['inference_weight_version']}")
         if summary["processes_left"]:
             self.say(f"  WARNING: processes still running: {summary['processes_left']}")

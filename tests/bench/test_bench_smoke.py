@@ -58,3 +58,4 @@ def test_stack(tmp_path):
     result = bench_stack.run(tmp_path, steps=3, warmup=1, prompts_per_step=2, num_generations=2, backends=("cpu",))
     assert [r["max_staleness"] for r in _written(tmp_path, "stack")["rows"]] == [0, 1]
     assert result["rows"][1]["staleness_mean"] <= 1
+

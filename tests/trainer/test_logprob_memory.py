@@ -30,10 +30,10 @@ def test_chunked_peak_is_clearly_below_the_previous_one() -> None:
 
 def test_benchmark_runs_small(tmp_path) -> None:
     result = bench.run(tmp_path, batch=2, seq=8, vocab=256, hidden=8, dtypes=("bfloat16",), temperatures=(1.0,),
-                       chunk_size=4)
+                       chunk_sizes=(4, 16))
     assert (tmp_path / "logprob_memory.md").read_text().startswith("# ")
     written = json.loads((tmp_path / "logprob_memory.json").read_text())
-    assert [(r["window"], r["dtype"]) for r in written["rows"]] == [("logprob", "bfloat16"), ("lm_head", "bfloat16")]
+    assert [(r["window"], r["chunk_size"]) for r in written["rows"]] == [("logprob", 4), ("logprob", 16), ("lm_head", 4)]
     for row in result["rows"]:
         assert row["before"]["peak_mib"] >= 0 and row["after"]["peak_mib"] >= 0
         assert row["loss_rel_diff"] < 1e-5

@@ -1,0 +1,73 @@
+"""Does `make demo` solve its task on every seed, and stay solved? (issue 16, stable convergence)
+
+Runs `tandem demo --seed S` with the defaults for each seed, one after another (each is the
+whole stack: Redis, the CPU inference server, the sampler, the trainer), and records the
+greedy eval after training, the lowest eval after the first one >= 0.95 (a run that learns
+then forgets shows it here), the steps the trainer left the weights alone because the batch
+carried no advantage, and the wall time. The target: eval after >= 0.95 on seeds 0-4, each
+within 300 s.
+
+    .venv/bin/python -m bench convergence
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._common import REPO, host, write_results
+
+TARGET_REWARD = 0.95
+TARGET_SECONDS = 300.0
+
+
+def run_seed(seed: int, run_dir: Path, **flags: Any) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "services.cli", "demo", "--seed", str(seed), "--run-dir", str(run_dir),
+            "--no-progress", *[f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]]
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=TARGET_SECONDS * 3)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        return {"seed": seed, "ok": False, "exit": done.returncode, "wall_seconds": round(wall, 1),
+                "error": (done.stdout + done.stderr)[-2000:]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rewards = [e["reward"] for e in summary["evals"] if e.get("reward") is not None]
+    solved_at = next((i for i, r in enumerate(rewards) if r >= TARGET_REWARD), None)
+    after = summary["eval_reward_after"]
+    return {
+        "seed": seed, "wall_seconds": round(wall, 1), "steps": summary["steps"],
+        "eval_reward_after": after,
+        "first_eval_version_at_target": summary["evals"][solved_at]["version"] if solved_at is not None else None,
+        "lowest_eval_after_reaching_target": min(rewards[solved_at:]) if solved_at is not None else None,
+        "reward_mean_last": summary["reward_mean_last"],
+        "skipped_steps_no_signal": summary.get("skipped_steps_no_signal"),
+        "ok": after is not None and after >= TARGET_REWARD and wall <= TARGET_SECONDS,
+    }
+
+
+def run(results_dir: Path, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), **flags: Any) -> dict[str, Any]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-convergence-") as tmp:
+        for seed in seeds:
+            rows.append(run_seed(seed, Path(tmp) / f"seed{seed}", **flags))
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"target": {"eval_reward_after": TARGET_REWARD, "wall_seconds": TARGET_SECONDS},
+              "flags": flags, "rows": rows, "all_ok": all(r["ok"] for r in rows), "host": host()}
+    lines = ["# Demo convergence over seeds", "",
+             "`.venv/bin/python -m bench convergence`: `tandem demo --seed S` with the defaults, one seed after "
+             f"another on this machine ({result['host']['cpus']} CPUs). Target: greedy eval after >= "
+             f"{TARGET_REWARD} within {TARGET_SECONDS:.0f} s, every seed.", "",
+             "| seed | ok | wall s | eval after | first version at >= 0.95 | lowest eval after that | "
+             "sampled reward last step | steps without signal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {'yes' if r['ok'] else 'NO'} | {r['wall_seconds']} | {r.get('eval_reward_after')} | "
+                     f"{r.get('first_eval_version_at_target')} | {r.get('lowest_eval_after_reaching_target')} | "
+                     f"{r.get('reward_mean_last')} | {r.get('skipped_steps_no_signal')} |")
+    write_results(results_dir, "convergence", result, "\n".join(lines))
+    return result
