@@ -11,10 +11,11 @@ float32. Two measured windows:
   the window and the slice is the leaf that receives the gradient, so the window holds the
   forward and backward of `token_logprobs` and the gradient it returns (B x T x V in the
   logits' dtype, which any implementation must produce).
-* `lm_head`: the LM head's forward too, and the backward through the slice and the head to
-  the hidden states and the head's weight: what the learner's step holds. The backward of
-  the slice materialises a full-size gradient of the unsliced logits beside the slice's, in
-  either variant, so this floor can hide the logprob computation's own memory.
+* `lm_head`: the LM head's forward too, and the backward through the head to the hidden
+  states and the head's weight: what the learner's step holds. Before, the learner ran the
+  head over every position and sliced the logits `[:, :-1]`, whose backward materialises a
+  full-size gradient of the unsliced logits beside the slice's; after, it selects the
+  positions that predict before the head (`logits_to_keep` as indices), so there is no slice.
 
 Each variant runs in a fresh Python process, so no allocation of one run can be reused by,
 or hide in the high-water mark of, another. In that process, after the inputs exist and a
@@ -50,8 +51,9 @@ MIB = 1024 * 1024
 def previous_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The implementation `token_logprobs` had before the chunked one, kept as the baseline.
 
-    One row at a time in float32; autograd keeps every row's float32 copy (and its
-    temperature-scaled copy) until the backward.
+    One row at a time in float32; autograd keeps a float32 copy of every row (the
+    temperature-scaled one when tau != 1: the division's backward needs no input, so the
+    unscaled copy is freed) for logsumexp's backward.
     """
     out = []
     for row_logits, row_targets in zip(logits, targets):
@@ -112,8 +114,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         return made
 
     def step(x: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor]:
-        if window == "lm_head":
-            scored = (x["hidden"] @ x["head"].T)[:, :-1]  # [B, T + 1, V] -> the positions that predict
+        if window == "lm_head" and variant == "before":
+            # The previous learner: the head over every position, then the slice of those that predict.
+            scored = (x["hidden"] @ x["head"].T)[:, :-1]
+        elif window == "lm_head":
+            # The learner now: the head over the positions that predict only (transformers'
+            # logits_to_keep as indices), so no slice of the logits sits in the graph.
+            scored = x["hidden"][:, :-1] @ x["head"].T
         else:
             scored = x["scored"]
         loss = (logprobs(scored, x["targets"]) * x["adv"].unsqueeze(-1)).sum()
@@ -208,7 +215,8 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         "Windows: `logprob` = the forward and backward of the logprob computation alone (the logits exist before "
         "it; the gradient it returns, B x T x V in the logits' dtype, is inside it). `lm_head` = the LM head's "
-        "forward as well, and the backward through the slice `[:, :-1]` and the head.",
+        "forward as well, and its backward: before, the previous learner's head over every position and the "
+        "slice `[:, :-1]`; after, the head over the predicting positions only (`logits_to_keep` as indices).",
         "",
         "Peak = the most resident memory the window held at once above what was there before it, each variant in "
         "a fresh process: VmHWM reset through /proc/self/clear_refs after setup and warm-up, read after the "
@@ -235,9 +243,9 @@ def _markdown(result: dict[str, Any]) -> str:
         "buffer, whatever the number of positions; the previous one grows with a float32 copy of every scored "
         f"logit. Chunk {first_chunk} is {first_chunk_share:.0%} of the {s['positions']} positions here, so its buffer "
         f"is that share of the float32 copy; at a trainer's 8 x 2048 positions it would be {first_chunk / 16384:.1%}. "
-        "In the `lm_head` window both variants also hold the logits and the full-size gradient of the unsliced "
-        "logits that the backward of the slice `[:, :-1]` builds beside the slice's own: about three logits' worth "
-        "in all, a floor that can hide the difference (compare it with the logits column).",
+        "In the `lm_head` window both also hold the logits and their gradient; before, the backward of the "
+        "slice `[:, :-1]` also built a full-size gradient of the unsliced logits beside the slice's own, which "
+        "the learner no longer makes.",
         "",
         f"Measured with: {', '.join(methods)}; {threads} torch threads; host {result['host']}. The seconds "
         "are one run each on a shared machine: indicative only.",

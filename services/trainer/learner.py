@@ -76,16 +76,17 @@ def _accepts(model: Any, name: str) -> bool:
 
 def forward_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk_size: int = 1024) -> torch.Tensor:
     """Logprobs [B, T] of `mb.targets` under `model`, over the window `mb.start:`."""
-    L = mb.input_ids.shape[1]
+    T = mb.targets.shape[1]
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "use_cache": False}
-    keep = L - mb.start
-    if keep < L and _accepts(model, "logits_to_keep"):
-        # Only positions start..L-1 can predict a completion token: skip the LM head elsewhere.
-        kwargs["logits_to_keep"] = keep
+    if _accepts(model, "logits_to_keep"):
+        # Only positions start..start+T-1 predict a completion token: the LM head runs on those
+        # alone, and the logits need no slicing (a slice's backward builds a zero-filled gradient
+        # of the whole unsliced logits, the memory token_logprobs's chunking saves).
+        kwargs["logits_to_keep"] = torch.arange(mb.start, mb.start + T, device=mb.input_ids.device)
         logits = model(**kwargs).logits
     else:
-        logits = model(**kwargs).logits[:, mb.start :]
-    return token_logprobs(logits[:, :-1], mb.targets, temperature, chunk_size=chunk_size)
+        logits = model(**kwargs).logits[:, mb.start : mb.start + T]
+    return token_logprobs(logits, mb.targets, temperature, chunk_size=chunk_size)
 
 
 class Learner:

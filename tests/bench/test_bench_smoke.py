@@ -59,3 +59,12 @@ def test_stack(tmp_path):
     assert [r["max_staleness"] for r in _written(tmp_path, "stack")["rows"]] == [0, 1]
     assert result["rows"][1]["staleness_mean"] <= 1
 
+
+
+def test_publication(tmp_path):
+    from bench import bench_publication
+
+    result = bench_publication.run(tmp_path, hidden=64, layers=1, vocab=128, repeats=1, roots=(str(tmp_path),))
+    (row,) = _written(tmp_path, "publication")["rows"]
+    assert row == result["rows"][0]
+    assert row["bytes_per_step_after"] < row["bytes_per_step_before"]

@@ -13,9 +13,8 @@ from bench import bench_logprob_memory as bench
 pytestmark = pytest.mark.slow
 
 # The logprob computation alone on bf16 logits of 2 x 128 x 32768 (16 MiB; its bf16 gradient
-# is as big): the previous implementation keeps float32 copies of every row (32 MiB each for
-# the cast and the temperature-scaled copy) until the backward; the chunked one uses a
-# 64 x 32768 float32 buffer (8 MiB).
+# is as big): the previous implementation keeps a float32 copy of every row (32 MiB in all)
+# until the backward; the chunked one uses a 64 x 32768 float32 buffer (8 MiB).
 CASE = {"window": "logprob", "batch": 2, "seq": 128, "vocab": 32_768, "hidden": 16, "chunk_size": 64,
         "dtype": "bfloat16", "temperature": 0.7}
 

@@ -165,6 +165,15 @@ def _rank_main(rank: int, base, store_path: str, out_dir: str) -> None:
             results["bf16_dtypes_full"] = sorted({str(t.dtype) for t in after.values()})
             results["bf16_moved"] = all(not torch.equal(after[n], before[n]) for n in after)
 
+        # A forward with no backward (the probe's) leaves the root module's parameters gathered,
+        # where they are not the optimizer's: without reshard, saving its state fails (KeyError).
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+        results["gathered_after_forward"] = any(not hasattr(p, "to_local") for p in model.parameters())
+        fsdp.reshard(model)
+        results["sharded_after_reshard"] = all(hasattr(p, "to_local") for p in model.parameters())
+        fsdp.save_optimizer(model, opt, out / "after-forward")
+
         # A non-finite gradient on one rank's shard is the global norm on every rank.
         for bad in (math.inf, math.nan):
             model, ref, opt = _build(base, fsdp)
@@ -398,3 +407,10 @@ def test_decoder_layers(base) -> None:
     assert decoder_layers(net) == [net.blocks[1], net.blocks[0]]
     net._no_split_modules = ["Linear"]
     assert set(decoder_layers(net)) == {net.blocks[0].inner, net.blocks[1].inner, net.head}
+
+
+def test_reshard_after_a_forward_only_pass(ranks) -> None:
+    for results in ranks[:2]:
+        assert results["gathered_after_forward"]  # what makes reshard necessary
+        assert results["sharded_after_reshard"]
+    assert (ranks[2] / "after-forward" / "optimizer" / ".metadata").is_file()
