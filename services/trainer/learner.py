@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from services.trainer.collate import MicroBatch, split_micro_batches
-from services.trainer.loss import loss_normalizer, policy_loss, token_logprobs
+from services.trainer.loss import IMPORTANCE_SAMPLING_LEVELS, loss_normalizer, policy_loss, token_logprobs
 from services.trainer.sharding import Sharding, make_sharding
 from shared.contract import LOSS_NAMES
 from shared.wire import Sample
@@ -59,6 +59,9 @@ class LossConfig:
     logprob_chunk_size: int = 1024
 
     def __post_init__(self) -> None:
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"unknown importance_sampling_level {self.importance_sampling_level!r}; "
+                             f"expected one of {IMPORTANCE_SAMPLING_LEVELS}")
         if self.loss_type not in LOSS_NAMES:
             raise ValueError(f"unknown loss {self.loss_type!r}; expected one of {LOSS_NAMES}")
         if self.temperature <= 0:

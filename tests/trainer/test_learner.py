@@ -160,3 +160,16 @@ def test_mask_truncated_completions_takes_them_out_of_the_loss(base_model) -> No
     assert masked["loss_tokens"] == sum(sum(s.loss_mask) for s in kept)
     plain = _learner(copy.deepcopy(base_model)).train_on_samples(samples, grad_accum_steps=1, lr=1e-3)
     assert plain["loss_tokens"] == sum(sum(s.loss_mask) for s in samples)
+
+
+def test_sequence_level_importance_sampling_is_wired_through(base_model) -> None:
+    """The setting reaches the loss: per-sequence truncated IS weights (the geometric mean over a
+    completion's tokens) give another loss than per-token ones once completions have several tokens."""
+    samples = make_samples(8)
+    runs = {level: _learner(copy.deepcopy(base_model), importance_sampling_level=level).train_on_samples(
+        samples, grad_accum_steps=2, lr=1e-2) for level in ("token", "sequence")}
+    assert runs["token"]["loss"] != pytest.approx(runs["sequence"]["loss"], rel=1e-3)
+    assert runs["token"]["loss_tokens"] == runs["sequence"]["loss_tokens"]
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        _learner(copy.deepcopy(base_model), importance_sampling_level="group").train_on_samples(
+            samples, grad_accum_steps=1)
