@@ -58,17 +58,32 @@ def step_path(run_dir: Path | str, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step-{step}"
 
 
-def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (step, path), oldest first."""
-    root = checkpoint_dir(run_dir)
+def _complete_dirs(root: Path, pattern: re.Pattern[str], marker: str) -> list[tuple[int, Path]]:
+    """(number, path) of the directories in `root` named by `pattern` that hold `marker` (the
+    file written last, so only complete ones count), oldest first."""
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and (entry / STATE_FILE).is_file():
+        match = pattern.match(entry.name)
+        if match and entry.is_dir() and (entry / marker).is_file():
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def _prune(found: list[tuple[int, Path]], keep: int, what: str) -> list[Path]:
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1: the newest {what}")
+    doomed = [path for _, path in found[:-keep]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        log.debug("deleted %s", path)
+    return doomed
+
+
+def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, path), oldest first."""
+    return _complete_dirs(checkpoint_dir(run_dir), _STEP_DIR, STATE_FILE)
 
 
 def latest_checkpoint(run_dir: Path | str) -> tuple[int, Path] | None:
@@ -192,14 +207,7 @@ def save_checkpoint(
 
 def prune_checkpoints(run_dir: Path | str, keep: int) -> list[Path]:
     """Delete all but the newest `keep` checkpoints; returns the deleted paths."""
-    if keep < 1:
-        raise ValueError("keep must be >= 1: the newest checkpoint is what a resume starts from")
-    found = list_checkpoints(run_dir)
-    doomed = [path for _, path in found[:-keep]]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-        log.debug("deleted old checkpoint %s", path)
-    return doomed
+    return _prune(list_checkpoints(run_dir), keep, "checkpoint is what a resume starts from")
 
 
 # -- published weights ---------------------------------------------------------------------
@@ -211,15 +219,7 @@ def version_path(publish_root: Path | str, version: int) -> Path:
 
 def list_published(publish_root: Path | str) -> list[tuple[int, Path]]:
     """Complete published weight directories as (version, path), oldest first."""
-    root = Path(publish_root)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _VERSION_DIR.match(entry.name)
-        if match and entry.is_dir() and (entry / PUBLISHED_FILE).is_file():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
+    return _complete_dirs(Path(publish_root), _VERSION_DIR, PUBLISHED_FILE)
 
 
 def untie(state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -292,9 +292,4 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
 
 def prune_published(publish_root: Path | str, keep: int) -> list[Path]:
     """Delete all but the newest `keep` published versions; returns the deleted paths."""
-    if keep < 1:
-        raise ValueError("keep must be >= 1: the newest published version is what inference serves")
-    doomed = [path for _, path in list_published(publish_root)[:-keep]]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
+    return _prune(list_published(publish_root), keep, "published version is what inference serves")

@@ -304,9 +304,10 @@ class RecordingClient(SamplerClient):
     With `shift`, it adds that many nats to every behaviour logprob it hands the trainer: the
     trainer then sees what it would see if the inference servers computed with other weights."""
 
-    def __init__(self, *args, shift: float = 0.0, **kwargs) -> None:
+    def __init__(self, *args, shift: float = 0.0, no_signal_steps: tuple[int, ...] = (), **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.shift = shift
+        self.no_signal_steps = no_signal_steps  # these batches reach the trainer with every advantage 0
         self.batches: dict[int, object] = {}
         self.published: list[dict] = []
 
@@ -323,6 +324,9 @@ class RecordingClient(SamplerClient):
             batch = batch.model_copy(update={"samples": [
                 s.model_copy(update={"completion_logprobs": [x + self.shift for x in codec.plain(s.completion_logprobs)]})
                 for s in batch.samples]})
+        if step in self.no_signal_steps:
+            batch = batch.model_copy(update={"samples": [s.model_copy(update={"advantage": 0.0})
+                                                         for s in batch.samples]})
         self.batches[step] = batch
         return batch
 
@@ -401,3 +405,28 @@ async def test_wrong_behaviour_logprobs_stop_the_run_after_patience(stack, tiny_
                                         eval_at_end=False, max_behaviour_mismatch=0), client)
     assert summary["final_version"] == 4
     assert len(_records(run_dir, "behaviour_mismatch")) == 2
+
+
+async def test_a_step_without_signal_publishes_the_same_weights_again(stack, tiny_model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """Batch 1 carries no advantage: step 1 leaves the weights as they were, writes nothing, and
+    version 2 is version 1's directory announced again (the servers reload it and pass the probe)."""
+    from safetensors.torch import load_file
+
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    async with RecordingClient(sampler.url, api_token=TOKEN, no_signal_steps=(1,)) as client:
+        summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=3, eval_at_start=False,
+                                        eval_at_end=False, keep_published=3), client)
+        served = await client.weights_version()
+    steps = _records(run_dir, "step")
+    assert [r["skipped_no_signal"] for r in steps] == [0, 1, 0]
+    assert [r["published_bytes"] > 0 for r in steps] == [True, False, True]
+    assert summary["skipped_steps_no_signal"] == 1 and summary["skipped_steps_non_finite"] == 0
+    paths = [body["checkpoint_path"] for body in client.published]
+    assert [body["version"] for body in client.published] == [1, 2, 3]
+    assert paths[1] == paths[0] != paths[2]
+    assert [v for v, _ in ckpt.list_published(run_dir / "published")] == [1, 3]
+    one, three = load_file(Path(paths[0]) / "model.safetensors"), load_file(Path(paths[2]) / "model.safetensors")
+    assert any(not torch.equal(one[n], three[n]) for n in one)  # step 2 had signal and moved them
+    assert served.version == 3 and all(server.probe.ok for server in served.servers)
