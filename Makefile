@@ -67,8 +67,12 @@ vllm-if-possible:
 	@$(MAKE) --no-print-directory vllm || \
 	  echo "note: could not install vLLM into $(VLLM_VENV) (pip's output above says why); the tests/vllm tier will skip"
 
+# Two pytest workers: most tests wait on servers, processes and sockets, so two share the two
+# cores well (tests/conftest.py hands the real-vLLM tier to one worker, first).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) test-tools vllm-if-possible
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)

@@ -73,3 +73,31 @@ def make_sampler(redis_url: str, namespace: str, run_dir: Path, standin: Uvicorn
     yield make
     for server in started:
         server.stop()
+
+
+
+def _on_vllm(nodeid: str) -> bool:
+    return nodeid.startswith("tests/vllm/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-vLLM tier first (a stable sort: otherwise the collection order). Under `make
+    test`'s two workers its ~4 minutes then overlap the other worker's work instead of being a
+    tail one worker runs alone at the end."""
+    items.sort(key=lambda item: not _on_vllm(item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs `pytest -n 2`: tests are handed to whichever worker is free, except the
+    real-vLLM tier, which goes to one worker as a whole, so the session's one vLLM server
+    (tests/vllm/conftest.py) is started once, not once per worker. (xdist's own `loadgroup`
+    would say this with marks, but in xdist 3.8 it renames items through an attribute pytest
+    9.2 no longer reads, and silently does nothing.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/vllm" if _on_vllm(nodeid) else nodeid
+
+    return VllmOnOneWorker(config, log)

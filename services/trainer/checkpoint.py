@@ -32,6 +32,8 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +144,24 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def _staging(tmp: Path) -> Iterator[Path]:
+    """Write into the staging directory `tmp`; on any failure remove it, so nothing but a
+    complete, renamed directory is ever left behind."""
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _seal(tmp: Path, final: Path) -> Path:
+    """fsync everything in `tmp`, then rename it to `final`."""
+    _fsync_tree(tmp)
+    _replace_dir(tmp, final)
+    return final
+
+
 def begin_checkpoint(run_dir: Path | str, step: int) -> Path:
     """Rank 0: an empty staging directory for checkpoint `step` (stale ones removed). Its name
     does not depend on the process, so every rank can write its optimizer shard into it
@@ -161,7 +181,7 @@ def commit_checkpoint(run_dir: Path | str, step: int, tmp: Path, *, model: Any,
     """Rank 0: write the weights (`state_dict`, else the model's own) and the state file into
     the staging directory `tmp`, fsync, and rename it to `step-{step}`. On failure the staging
     directory is removed and nothing else changes."""
-    try:
+    with _staging(tmp):
         # A copy: save_pretrained deletes the tied duplicate from the dict it is given.
         model.save_pretrained(tmp, state_dict=dict(state_dict) if state_dict is not None else None,
                               safe_serialization=True)
@@ -170,13 +190,7 @@ def commit_checkpoint(run_dir: Path | str, step: int, tmp: Path, *, model: Any,
         full_state = {"step": step, "version": step + 1, "saved_at": time.time(), **(state or {})}
         # Written last: its presence is what marks the checkpoint complete.
         (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=2, default=str))
-        _fsync_tree(tmp)
-        final = step_path(run_dir, step)
-        _replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+        return _seal(tmp, step_path(run_dir, step))
 
 
 def save_checkpoint(
@@ -193,12 +207,9 @@ def save_checkpoint(
     import torch  # here, so that listing checkpoints does not import torch
 
     tmp = begin_checkpoint(run_dir, step)
-    try:
+    with _staging(tmp):
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     final = commit_checkpoint(run_dir, step, tmp, model=model, model_dir=model_dir, state=state)
     if keep is not None:
         prune_checkpoints(run_dir, keep)
@@ -273,21 +284,16 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-version-{version}-{os.getpid()}"
     tmp.mkdir()
-    try:
+    with _staging(tmp):
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         config_dict = config.to_dict()
         config_dict["torch_dtype"] = config_dict["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+        # Written last: its presence is what marks the version complete.
         (tmp / PUBLISHED_FILE).write_text(json.dumps(
             {"version": version, "step": step, "dtype": str(dtype).removeprefix("torch."),
              "bytes": (tmp / WEIGHTS_FILE).stat().st_size, "saved_at": time.time()}))
-        _fsync_tree(tmp)
-        final = version_path(root, version)
-        _replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+        return _seal(tmp, version_path(root, version))
 
 
 def prune_published(publish_root: Path | str, keep: int) -> list[Path]:
