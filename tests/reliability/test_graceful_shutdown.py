@@ -33,22 +33,22 @@ def test_sigterm_during_a_weight_sync(tmp_path: Path, redis_url: str, namespace:
     cleanup.add(standin.stop)
     cleanup.add(lambda: httpx.post(f"{standin.url}/resume"))
     # A resume that takes a moment: it must still complete when the sync's request is cancelled.
-    # Every completion is the same 30 tokens, 3 s at 0.1 s a token: batch 1 is surely still
-    # generating when the sync pauses the server (with random completions, which stop early at
-    # random, and 8 tokens, it sometimes finished first on a loaded machine).
+    # Every completion is the same 50 tokens, 5 s at 0.1 s a token (random ones stop early at
+    # random): batch 1 is still generating when the sync pauses the server.
     httpx.post(f"{standin.url}/_standin/configure",
-               json={"reload_delay": reload_delay, "resume_delay": 0.5, "reply": "ab" * 15})
+               json={"reload_delay": reload_delay, "resume_delay": 0.5, "reply": "ab" * 25})
     sampler = start_sampler_process(tmp_path / "sampler", redis_url=redis_url, namespace=namespace,
                                     inference_urls=[standin.url], env="tests.support.envs:CountEnv",
-                                    prompts_per_step=2, num_generations=2, max_tokens=32, max_staleness=1,
+                                    prompts_per_step=2, num_generations=2, max_tokens=64, max_staleness=1,
                                     drain_deadline=20)
     cleanup.add(lambda: stop_process(sampler))
     url = sampler.url
-    assert httpx.get(f"{url}/batch", params={"step": 0, "timeout": 30}, timeout=40).status_code == 200
 
-    # Batch 1 (max_staleness 1) starts at once; the weight sync pauses the server under it.
+    # With max_staleness 1, batches 0 and 1 may both be built under version 0, at the same time:
+    # waiting for batch 0 first can find batch 1 finished too. So the sync starts as soon as
+    # batch 1 is seen generating, and pauses the server under it (up to 5 s of tokens left).
     wait_for(lambda: 1 in [p["step"] for p in httpx.get(f"{url}/status", timeout=10).json()["steps"]["in_progress"]],
-             10, "batch 1 to be generating")
+             30, "batch 1 to be generating")
     result: dict[str, Any] = {}
 
     def publish() -> None:
