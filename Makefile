@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU build; an unpinned resolve would pull CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip install --quiet -e '.[cpu,dev,trl]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -82,7 +82,7 @@ stress: $(STAMP)
 	$(PY) -m tests.reliability.stress $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check shared services tests bench
+	$(VENV)/bin/ruff check shared services tests bench examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -57,6 +57,9 @@ class DemoSettings(TandemSettings):
     max_tokens: int = Field(default=4, ge=1)
     learning_rate: float = Field(default=1e-3, gt=0)
     loss: contract.LossName = "grpo"
+    trainer: Literal["native", "trl"] = Field(
+        default="native", description="native = Tandem's trainer (`tandem trainer`); trl = TRL's GRPOTrainer fed by "
+        "the sampler (examples/trl_grpo.py, README \"TRL\"; needs the trl extra, which `make install` installs)")
     eval_every: int = Field(default=10, ge=0, description="greedy eval every N steps (0: only before and after)")
     eval_examples: int = Field(default=64, ge=1)
 
@@ -95,6 +98,11 @@ class DemoSettings(TandemSettings):
 
         if self.model is None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        if self.trainer == "trl":
+            import importlib.util
+
+            if importlib.util.find_spec("trl") is None:
+                raise ValueError("trainer = trl needs TRL: pip install -e '.[trl]' (make install does)")
         if self.port and self.port == self.inference_port:
             raise ValueError(f"port and inference_port are both {self.port}; give them different ports (or 0)")
         return self

@@ -49,6 +49,8 @@ from services.demo.processes import Child, ChildDied, free_port, pid_alive, stop
 MARKER = ".tandem-demo"
 SERVED_MODEL_NAME = "demo"
 FAILED_STOP_TIMEOUT = 5.0
+# `--trainer trl` runs the example users start from (an editable install: the checkout's).
+TRL_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
 
 
 class DemoError(RuntimeError):
@@ -212,6 +214,10 @@ class Demo:
             self.sampler_port = free_port()
         self.inference_url = f"http://{connect_host}:{self.inference_port}"
         self.sampler_url = f"http://{connect_host}:{self.sampler_port}"
+        # Where the trainer writes trainer_metrics.jsonl (the same records from both trainers) and
+        # its summary; the TRL example's summary.json must not collide with the demo's own.
+        self.trainer_dir = self.run_dir if settings.trainer == "native" else self.run_dir / "trl"
+        self.trainer_summary = "trainer_summary.json" if settings.trainer == "native" else "summary.json"
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -231,6 +237,22 @@ class Demo:
         self.children[name] = child
         self._record_processes()
         return child
+
+    def _trainer_argv(self, model_dir: Path) -> list[str]:
+        """The same run for either trainer: batch shape, steps, learning rate, loss, evals and seed."""
+        s = self.s
+        if s.trainer == "native":
+            return _tandem(
+                "trainer", model=model_dir, sampler_url=self.sampler_url, run_dir=self.run_dir,
+                per_device_batch_size=s.per_device_batch_size, grad_accum_steps=s.grad_accum_steps,
+                max_steps=s.steps, learning_rate=s.learning_rate, loss=s.loss, eval_every=s.eval_every,
+                eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level)
+        flags = {"sampler_url": self.sampler_url, "model": model_dir, "max_steps": s.steps,
+                 "output_dir": self.trainer_dir, "per_device_batch_size": s.per_device_batch_size,
+                 "learning_rate": s.learning_rate, "loss": s.loss, "eval_every": s.eval_every,
+                 "eval_examples": s.eval_examples, "seed": s.seed, "torch_threads": s.torch_threads}
+        return [sys.executable, str(TRL_EXAMPLE)] + [
+            arg for key, value in flags.items() for arg in ("--" + key.replace("_", "-"), str(value))]
 
     def _check_children(self) -> None:
         for child in self.children.values():
@@ -305,12 +327,8 @@ class Demo:
                 served_model_name=SERVED_MODEL_NAME, seed=s.seed, run_dir=self.run_dir, log_level=s.log_level,
                 backend=s.backend, torch_threads=threads if s.backend == "cpu" else None,
             ), _child_env(threads))
-            trainer = self._start("trainer", _tandem(
-                "trainer", model=model_dir, sampler_url=self.sampler_url, run_dir=self.run_dir,
-                per_device_batch_size=s.per_device_batch_size, grad_accum_steps=s.grad_accum_steps,
-                max_steps=s.steps, learning_rate=s.learning_rate, loss=s.loss, eval_every=s.eval_every,
-                eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level,
-            ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
+            trainer = self._start("trainer", self._trainer_argv(model_dir),
+                                  _child_env(threads, {"TANDEM_API_TOKEN": token}))
             # The three start together: their start-up is mostly imports, and the trainer's
             # client retries the sampler's /status (for 120 s) until the sampler answers.
             self.say(f"started inference (pid {inference.pid}) on {self.inference_url}, sampler "
@@ -325,7 +343,7 @@ class Demo:
             self.say(f"dashboard: {self.sampler_url}/")
             startup_seconds = time.monotonic() - started
 
-            metrics = MetricsTail(self.run_dir / "trainer_metrics.jsonl")
+            metrics = MetricsTail(self.trainer_dir / "trainer_metrics.jsonl")
             display = Display(s.steps, self.out, s.progress)
             deadline = time.monotonic() + s.timeout
             try:
@@ -375,11 +393,12 @@ class Demo:
                  until_trained: float, startup: float) -> dict[str, Any]:
         s = self.s
         try:
-            trainer = json.loads((self.run_dir / "trainer_summary.json").read_text())
+            trainer = json.loads((self.trainer_dir / self.trainer_summary).read_text())
         except (OSError, ValueError) as exc:
-            raise DemoError(f"the trainer exited 0 but left no readable trainer_summary.json: {exc}") from None
+            raise DemoError(f"the trainer exited 0 but left no readable {self.trainer_summary}: {exc}") from None
         label = (served or {}).get("weight_version")
         return {
+            "trainer": s.trainer,
             "steps": trainer.get("steps"),
             "wall_seconds": round(wall, 2),
             "eval_reward_before": trainer.get("eval_reward_before"),
@@ -422,14 +441,16 @@ class Demo:
 
         self.say("")
         self.say("summary")
-        self.say(f"  steps                  {summary['steps']}  (max_staleness {summary['max_staleness']}"
+        self.say(f"  steps                  {summary['steps']}  ({summary['trainer']} trainer, max_staleness "
+                 f"{summary['max_staleness']}"
                  f"{', on-policy' if summary['on_policy'] else ''}, seed {summary['seed']})")
         self.say(f"  eval reward            {num('eval_reward_before', '.2f')} -> {num('eval_reward_after', '.2f')}"
                  "  (greedy, held-out prompts)")
         self.say(f"  wall time              {num('wall_seconds', '.1f')} s  (start-up {num('startup_seconds', '.1f')} s)")
         self.say(f"  staleness mean         {num('staleness_mean', '.2f')}  (max {summary['staleness_max']})")
         self.say(f"  trainer waiting        {100 * (summary.get('trainer_wait_fraction') or 0):.0f}% of its time")
-        self.say(f"  steps without signal   {summary.get('skipped_steps_no_signal')}  (weights left as they were)")
+        if summary.get("skipped_steps_no_signal") is not None:
+            self.say(f"  steps without signal   {summary['skipped_steps_no_signal']}  (weights left as they were)")
         self.say(f"  served weights         version {summary['inference_weight_version']}")
         if summary["processes_left"]:
             self.say(f"  WARNING: processes still running: {summary['processes_left']}")

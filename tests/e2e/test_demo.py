@@ -13,6 +13,7 @@ trainer), a few steps of the toy task.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -132,10 +133,17 @@ class Observer(threading.Thread):
                 time.sleep(0.1)
 
 
-def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_path: Path) -> None:
+@pytest.mark.parametrize("trainer", [
+    "native",
+    pytest.param("trl", marks=pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                                                 reason="needs the trl extra: pip install -e '.[trl]'")),
+])
+def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_path: Path, trainer: str) -> None:
+    """With either trainer: the native one, or TRL's GRPOTrainer fed by the sampler (its metrics and
+    summary under run_dir/trl, in the native trainer's format)."""
     run_dir = tmp_path / "demo"
     sampler_port, inference_port = free_port(), free_port()
-    proc = start_demo(run_dir, "--steps", str(STEPS), "--max-staleness", str(K), "--seed", "3",
+    proc = start_demo(run_dir, "--trainer", trainer, "--steps", str(STEPS), "--max-staleness", str(K), "--seed", "3",
                       "--port", str(sampler_port), "--inference-port", str(inference_port),
                       "--eval-every", "3", "--eval-examples", "16", "--prompts-per-step", "4",
                       "--num-generations", "4", "--micro-batch-size", "8")
@@ -155,7 +163,8 @@ def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_p
         assert all(max(0, step - K) <= v <= step for v in versions), (step, versions)
 
     # Versions only move forward: published 1..N in order, served never backwards, ending at N.
-    records = [json.loads(line) for line in (run_dir / "trainer_metrics.jsonl").read_text().splitlines()]
+    trainer_dir = run_dir if trainer == "native" else run_dir / "trl"
+    records = [json.loads(line) for line in (trainer_dir / "trainer_metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["event"] == "step"]
     assert [r["version"] for r in steps] == list(range(1, STEPS + 1))
     assert all(r["staleness_max"] <= K for r in steps)
@@ -165,7 +174,7 @@ def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_p
     for key in ("steps", "wall_seconds", "eval_reward_before", "eval_reward_after", "staleness_mean",
                 "trainer_wait_fraction"):
         assert key in summary, key
-    assert summary["steps"] == STEPS
+    assert summary["steps"] == STEPS and summary["trainer"] == trainer
     assert summary["inference_weight_version"] == str(STEPS)  # the last checkpoint reached inference
     assert observer.served[-1] == STEPS
     assert isinstance(summary["eval_reward_before"], float) and isinstance(summary["eval_reward_after"], float)
