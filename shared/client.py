@@ -133,6 +133,34 @@ class SamplerClient:
         data = await self.get_batch_raw(step, rank, world_size, timeout=timeout)
         return Batch.model_validate(data)
 
+    async def get_batch_for_training(
+        self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None,
+        not_ready_grace: float = 60.0, published_version: int | None = None,
+    ) -> Batch:
+        """A trainer's fetch of batch `step`: a 409 (the version the batch needs is not out yet)
+        is retried for `not_ready_grace` seconds, since another rank's publication may still be in
+        flight; after that, and on a 410, a SamplerError that says what to change."""
+        give_up = time.monotonic() + not_ready_grace
+        delay = 0.05
+        while True:
+            try:
+                return await self.get_batch(step, rank, world_size, timeout=timeout)
+            except BatchNotReady as exc:
+                if time.monotonic() > give_up:
+                    have = "" if published_version is None else f"The trainer has published version {published_version}; "
+                    raise SamplerError(
+                        f"batch {step} cannot become ready: {exc.detail}. {have}the sampler needs a newer "
+                        "version than the trainer publishes (is another trainer, or an old sampler run_dir, "
+                        "involved?)"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except BatchTrimmed as exc:
+                raise SamplerError(
+                    f"batch {step} was trimmed by the sampler ({exc.detail}): the trainer fell behind its "
+                    "retention window (raise the sampler's keep_batches, or start a fresh sampler run_dir)"
+                ) from exc
+
     async def get_batch_raw(
         self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
     ) -> dict[str, Any]:

@@ -166,11 +166,15 @@ def begin_checkpoint(run_dir: Path | str, step: int) -> Path:
     """Rank 0: an empty staging directory for checkpoint `step` (stale ones removed). Its name
     does not depend on the process, so every rank can write its optimizer shard into it
     (the run directory must then be on storage every rank sees)."""
-    root = checkpoint_dir(run_dir)
+    return _new_staging_dir(checkpoint_dir(run_dir), f".tmp-step-{step}")
+
+
+def _new_staging_dir(root: Path, name: str) -> Path:
+    """An empty `root/name` (a `.tmp-` name), after removing what failed writes left behind."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-step-{step}"
+    tmp = root / name
     tmp.mkdir()
     return tmp
 
@@ -279,11 +283,7 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
         raise ValueError(f"refusing to publish version {version}: non-finite values in {bad[:5]}"
                          f"{' and more' if len(bad) > 5 else ''}")
     root = Path(publish_root)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-version-{version}-{os.getpid()}"
-    tmp.mkdir()
+    tmp = _new_staging_dir(root, f".tmp-version-{version}-{os.getpid()}")
     with _staging(tmp):
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         config_dict = config.to_dict()

@@ -73,7 +73,7 @@ from services.trainer.model_setup import set_up_model
 from services.trainer.probe import DTYPE_NAMES
 from services.trainer.world import World
 from shared import codec, contract
-from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, VersionConflict
+from shared.client import BatchNotReady, SamplerClient, VersionConflict
 from shared.contract import SamplerConfig
 from shared.settings import SettingsError
 from shared.wire import MAX_METRICS, Batch
@@ -597,28 +597,10 @@ class Trainer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
-    async def _fetch(self, step: int, *, not_ready_grace: float = 60.0) -> Batch:
-        """Batch `step` for this rank; a 409 is retried briefly (a publish may be in flight)."""
-        give_up = time.monotonic() + not_ready_grace
-        delay = 0.05
-        while True:
-            try:
-                return await self.client.get_batch(step, self.world.rank, self.world.world_size,
-                                                   timeout=self.settings.batch_timeout)
-            except BatchNotReady as exc:
-                if time.monotonic() > give_up:
-                    raise RuntimeError(
-                        f"batch {step} cannot become ready: {exc.detail}. The trainer has published "
-                        f"version {self.published_version}; the sampler needs a newer one "
-                        "(is another trainer or an old run_dir involved?)"
-                    ) from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except BatchTrimmed as exc:
-                raise RuntimeError(
-                    f"batch {step} was trimmed by the sampler ({exc.detail}): the trainer fell behind its "
-                    "retention window (raise the sampler's keep_batches, or start a fresh run_dir)"
-                ) from exc
+    async def _fetch(self, step: int) -> Batch:
+        return await self.client.get_batch_for_training(step, self.world.rank, self.world.world_size,
+                                                        timeout=self.settings.batch_timeout,
+                                                        published_version=self.published_version)
 
     async def _publish(self, version: int, path: Path | None, *, probe: dict[str, Any] | None = None,
                        metrics: dict[str, float] | None = None) -> None:

@@ -5,7 +5,7 @@ the event loop it was made in, and a prefetch (batch N+1 fetched while step N tr
 running between calls. So one daemon thread runs one loop for the link's whole life; every
 call is a coroutine submitted to it, and `prefetch` leaves one running there.
 
-The 409 / 410 handling is the native trainer's (services/trainer/trainer.py, `_fetch`): a 409
+The 409 / 410 handling is the native trainer's (`SamplerClient.get_batch_for_training`): a 409
 is retried for a grace period (a publication may be in flight on another rank), a 410 stops
 the run with the setting to change.
 """
@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from typing import Any
 
-from shared.client import BatchNotReady, BatchTrimmed, SamplerClient, VersionConflict
+from shared.client import BatchNotReady, SamplerClient, VersionConflict
 from shared.wire import Batch, EvalResult
 
 
@@ -73,25 +72,8 @@ class SamplerLink:
         self._prefetch = ((step, rank, world_size), self._submit(self._fetch(step, rank, world_size)))
 
     async def _fetch(self, step: int, rank: int, world_size: int) -> Batch:
-        give_up = time.monotonic() + self.not_ready_grace
-        delay = 0.05
-        while True:
-            try:
-                return await self._client.get_batch(step, rank, world_size, timeout=self.batch_timeout)
-            except BatchNotReady as exc:
-                if time.monotonic() > give_up:
-                    raise RuntimeError(
-                        f"batch {step} cannot become ready: {exc.detail}. This trainer publishes version N+1 "
-                        "after step N; the sampler needs a newer one (is another trainer, or an old sampler "
-                        "run_dir, involved?)"
-                    ) from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except BatchTrimmed as exc:
-                raise RuntimeError(
-                    f"batch {step} was trimmed by the sampler ({exc.detail}): the trainer fell behind its "
-                    "retention window (raise the sampler's keep_batches, or start a fresh sampler run_dir)"
-                ) from exc
+        return await self._client.get_batch_for_training(step, rank, world_size, timeout=self.batch_timeout,
+                                                         not_ready_grace=self.not_ready_grace)
 
     # -- writing -----------------------------------------------------------------------------
 

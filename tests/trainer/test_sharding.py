@@ -30,6 +30,7 @@ LR = 1e-3
 BETA = 0.05  # exercises the (sharded) reference model too
 MAX_NORM = 0.05  # below the batch's gradient norm (asserted), so clipping engages
 ATOL = 1e-6
+SMALL_GRAD = 1e-6  # 100 x AdamW's eps: below it the first step's size is ill-conditioned
 
 
 def _batch(step: int) -> list:
@@ -226,6 +227,24 @@ def _assert_same(got: dict, want: dict, what: str, rtol: float = 0.0, atol: floa
                                    msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
+def _assert_same_first_step(got: dict, want: dict, grads: dict, what: str) -> None:
+    """Weights after one AdamW step from the same start. That step moves each weight by about
+    lr * g / (|g| + eps): where |g| is within a few orders of eps it turns float32 rounding of the
+    gradient (another summation order over ranks, another CPU's kernels) into weight differences
+    of up to lr: 1 of the 12288 elements of one matrix differed by 1.4e-6 (ATOL 1e-6) on this
+    session's machine, on every run, and not on the previous one. Those elements are compared through their gradients
+    (`_assert_same_gradients`); every other one must match to ATOL, and they must be almost all."""
+    assert got.keys() == want.keys(), what
+    for name in want:
+        if name not in grads:  # a tied alias (lm_head.weight): compared as the parameter it is
+            assert any(torch.equal(want[name], want[owner]) for owner in grads), f"{what} {name}: no gradient"
+            continue
+        conditioned = grads[name].abs() >= SMALL_GRAD
+        assert conditioned.float().mean() > 0.98, f"{what} {name}: too few well-conditioned elements to compare"
+        torch.testing.assert_close(got[name][conditioned], want[name][conditioned], rtol=0.0, atol=ATOL,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
 def _assert_same_gradients(got: dict, want: dict, what: str) -> None:
     # Summed over ranks, not averaged: AdamW's first step hardly depends on the gradients'
     # scale, so the weights alone would not tell a sum from a mean.
@@ -240,7 +259,7 @@ def test_two_ranks_step_like_one_process(kind: str, ranks, single, base) -> None
     rank0, rank1, _ = ranks
     for results in (rank0, rank1):
         _assert_same_gradients(results[f"{kind}_grads"], single["grads"], kind)
-    _assert_same(rank0[kind], single["weights"], kind)
+    _assert_same_first_step(rank0[kind], single["weights"], single["grads"], kind)
     assert rank1[kind] is None  # full weights are gathered on rank 0 only
     assert not any(torch.equal(single["weights"][n], t) for n, t in base.state_dict().items())
 
@@ -259,7 +278,7 @@ def test_clip_grad_norm_is_the_global_norm_on_every_rank(ranks, single) -> None:
 @pytest.mark.parametrize("name", ["accum", "accum_sync_every"])
 def test_fsdp_gradient_accumulation(name: str, ranks, single) -> None:
     _assert_same_gradients(ranks[1][f"{name}_grads"], single["grads"], name)
-    _assert_same(ranks[0][name], single["weights"], name)
+    _assert_same_first_step(ranks[0][name], single["weights"], single["grads"], name)
 
 
 def test_fsdp_with_activation_checkpointing(ranks, single) -> None:
