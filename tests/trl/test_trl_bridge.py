@@ -248,3 +248,31 @@ def test_a_step_without_signal_leaves_the_weights_alone(make_toy_stack, tiny_mod
         assert len(unchanged) < len(start) // 2
     records = [json.loads(line) for line in (tmp_path / "out" / "trainer_metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_no_signal"] for r in records if r["event"] == "step"] == [skip, skip]
+
+
+def test_resume_from_a_trl_checkpoint_continues_with_the_next_batch(make_toy_stack, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """TRL's own checkpoints: a run saved after optimizer step 2 and resumed with
+    `train(resume_from_checkpoint=True)` announces version 2 again (the previous run may have died
+    between saving and publishing), then trains on batches 2 and 3, the ones an uninterrupted run
+    would have used, and publishes 3 and 4."""
+    sampler, _ = make_toy_stack(prompts_per_step=2, num_generations=4, eval_examples=4)
+    out = tmp_path / "out"
+    first = TandemGRPOTrainer(str(tiny_model_dir), args=_config(out, sampler.url, 2, 8, save_strategy="steps",
+                                                               save_steps=2),
+                              sampler_url=sampler.url, api_token=TOKEN, probe_tokens=0)
+    try:
+        first.train()
+    finally:
+        first.close()
+    assert (out / "checkpoint-2").is_dir()
+
+    second = TandemGRPOTrainer(str(tiny_model_dir), args=_config(out, sampler.url, 4, 8, save_strategy="no"),
+                               sampler_url=sampler.url, api_token=TOKEN, probe_tokens=0)
+    try:
+        second.train(resume_from_checkpoint=True)
+    finally:
+        second.close()
+    assert [b["batch_step"] for b in second.tandem_batches] == [2, 3]
+    assert [p["version"] for p in second.tandem_publications] == [2, 3, 4]
+    assert _served(sampler.url).version == 4
