@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             "reward_mean_first": batches[0]["reward_mean"] if batches else None,
             "reward_mean_last": batches[-1]["reward_mean"] if batches else None,
             "skipped_steps_no_signal": trainer.skipped_steps_no_signal,
+            "skipped_steps_non_finite": trainer.skipped_steps_non_finite,
             "final_version": pubs[-1]["version"] if pubs else 0,
             "world_size": world,
             "batches": trainer.tandem_batches,

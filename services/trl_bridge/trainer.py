@@ -141,6 +141,10 @@ class TandemGRPOTrainer(GRPOTrainer):
         self.skip_steps_without_signal = skip_steps_without_signal
         self.skipped_steps_no_signal = 0
         self._batch_has_signal = True
+        # A NaN or infinite gradient norm (a non-finite loss gives one) must not reach AdamW: its
+        # moments would hold NaN for the rest of the run. Such a step is skipped and said so.
+        self.skipped_steps_non_finite = 0
+        self._last_grad_norm = 0.0
         self._step_metrics: dict[str, float] = {}
         # The native trainer's JSONL (services/trainer/metrics.py), so the demo's progress display,
         # summaries and tools read both trainers' runs alike: output_dir/trainer_metrics.jsonl.
@@ -201,6 +205,12 @@ class TandemGRPOTrainer(GRPOTrainer):
             out["ref_per_token_logps"] = ref
         self._record_batch(batch, step, wait_s, old, t.behaviour_logprobs, mask, out.get("importance_sampling_ratio"))
         return out
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float:
+        # transformers calls this right before the optimizer step with the (all-rank) pre-clip
+        # norm; kept for `_SkipStepsWithoutSignal`, which runs next.
+        self._last_grad_norm = float(super()._get_grad_norm(model, grad_norm))
+        return self._last_grad_norm
 
     def _pad_id(self) -> int:
         tok = self.processing_class
@@ -298,7 +308,8 @@ class TandemGRPOTrainer(GRPOTrainer):
                 "event": "step", "step": version - 1, "version": version, "optimizer_step": self.state.global_step,
                 **self._step_metrics, "train_s": time.time() - fetched.get("fetched_at", time.time()),
                 "publish_s": info["write_s"] + info["probe_s"] + info["publish_s"],
-                "skipped_no_signal": not self._batch_has_signal and self.skip_steps_without_signal})
+                "skipped_no_signal": not self._batch_has_signal and self.skip_steps_without_signal,
+                "grad_norm": self._last_grad_norm})
         del state_dict
         acc.wait_for_everyone()
 
@@ -348,10 +359,11 @@ class TandemGRPOTrainer(GRPOTrainer):
 
 
 class _SkipStepsWithoutSignal(TrainerCallback):
-    """Just before the optimizer step: when the batch carried no advantage signal, drop every
-    gradient, so that AdamW leaves those parameters, their moments and their weight decay alone
-    (it skips parameters without a gradient). Every rank decides alike (the signal is summed
-    over ranks), and every pass over the batch under num_iterations is skipped the same way."""
+    """Just before the optimizer step: when the batch carried no advantage signal, or the gradient
+    norm is not finite, drop every gradient, so that AdamW leaves those parameters, their moments
+    and their weight decay alone (it skips parameters without a gradient). Every rank decides
+    alike (the signal is summed over ranks, the norm is the all-rank one), and every pass over the
+    batch under num_iterations is skipped the same way when the batch has no signal."""
 
     def __init__(self, trainer: TandemGRPOTrainer):
         self.trainer = trainer
@@ -359,11 +371,20 @@ class _SkipStepsWithoutSignal(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
         skip = trainer.skip_steps_without_signal and not trainer._batch_has_signal
+        non_finite = not math.isfinite(trainer._last_grad_norm)
         if skip:
+            trainer.skipped_steps_no_signal += 1
+        elif non_finite:
+            trainer.skipped_steps_non_finite += 1
+            log.warning("optimizer step %d (batch %d): gradient norm %s is not finite; skipping the step, the "
+                        "weights stay as they were (check the rewards, the learning rate and the precision)",
+                        state.global_step, tandem_step(state.global_step, trainer.num_iterations),
+                        trainer._last_grad_norm)
+        if skip or non_finite:
             for param in trainer.model.parameters():
                 param.grad = None
-            trainer.skipped_steps_no_signal += 1
         trainer._metrics["train"]["tandem/skipped_no_signal"].append(float(skip))
+        trainer._metrics["train"]["tandem/skipped_non_finite"].append(float(non_finite and not skip))
 
 
 class _PublishEachVersion(TrainerCallback):

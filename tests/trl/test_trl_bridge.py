@@ -276,3 +276,36 @@ def test_resume_from_a_trl_checkpoint_continues_with_the_next_batch(make_toy_sta
     assert [b["batch_step"] for b in second.tandem_batches] == [2, 3]
     assert [p["version"] for p in second.tandem_publications] == [2, 3, 4]
     assert _served(sampler.url).version == 4
+
+
+class _NaNLossAtStep1(TandemGRPOTrainer):
+    """A numerical blow-up on optimizer step 1 only: the loss (hence every gradient) is NaN."""
+
+    def _compute_loss(self, model: Any, inputs: Any) -> Any:
+        loss = super()._compute_loss(model, inputs)
+        return loss * float("nan") if self.state.global_step == 1 else loss
+
+
+def test_a_non_finite_gradient_skips_the_step(make_toy_stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Step 1's gradients are NaN: that step leaves the weights as step 0 left them (version 2 ==
+    version 1, bit for bit, no NaN published), it is counted and logged, and step 2 trains on."""
+    from safetensors.torch import load_file
+
+    # CountEnv's rewards vary within a group (output length), so every batch has signal.
+    sampler, _ = make_toy_stack(env="tests.support.envs:CountEnv", prompts_per_step=2, num_generations=4,
+                                eval_examples=4)
+    trainer = _NaNLossAtStep1(str(tiny_model_dir), args=_config(tmp_path / "out", sampler.url, 3, 8),
+                              sampler_url=sampler.url, api_token=TOKEN, probe_tokens=0, keep_published=3)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+    assert trainer.skipped_steps_non_finite == 1
+    v1, v2, v3 = (load_file(Path(p["path"]) / "model.safetensors") for p in trainer.tandem_publications)
+    assert all(torch.equal(v1[n], v2[n]) for n in v1)
+    assert all(torch.isfinite(t).all() for t in v3.values())
+    assert trainer.skipped_steps_no_signal == 0
+    assert any(not torch.equal(v2[n], v3[n]) for n in v2)
+    records = [json.loads(line) for line in (tmp_path / "out" / "trainer_metrics.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] is None for r in records if r["event"] == "step"] == [False, True, False]
