@@ -15,6 +15,8 @@ these rules. The words are the ones docs/staleness.md and docs/settings.md use:
   row. Reuse happens on one side only: the sampler's steps, or the trainer's passes.
 * **batch shape**: one sealed batch feeds exactly one optimizer step, so
   prompts_per_step x num_generations = per_device_batch_size x grad_accum_steps x world_size.
+* **truncation** (`Truncation`): min_p / top_k / top_p of the sampling. The behaviour logprobs
+  are of the truncated distribution, so the trainer scores that one too (shared/truncation.py).
 
 `SamplerConfig` is the `config` block of `GET /status`: the sampler serves it, the trainer
 validates it before it loads a model. Importing this module never imports torch.
@@ -22,6 +24,7 @@ validates it before it loads a model. Importing this module never imports torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -99,24 +102,54 @@ def can_prefetch(max_staleness: int) -> bool:
 # -- sampling the trainer can score -------------------------------------------------------
 
 
-def check_untruncated_sampling(top_p: float | None, top_k: int | None, min_p: float | None) -> None:
-    """The trainer scores completions under the full (temperature-scaled) distribution. With
-    top_p < 1, top_k or min_p the inference server samples from a truncated one and reports
-    logprobs renormalised over it, so every importance weight pi_old / pi_behaviour would be
-    shifted (by -0.10 nats on average at top_p 0.9). Until the trainer applies the same
-    truncation, such a sampler is refused, naming the settings."""
-    truncating = []
-    if top_p is not None and top_p < 1.0:
-        truncating.append(f"top_p {top_p}")
-    if top_k is not None and top_k > 0:
-        truncating.append(f"top_k {top_k}")
-    if min_p is not None and min_p > 0.0:
-        truncating.append(f"min_p {min_p}")
-    if truncating:
+@dataclass(frozen=True)
+class Truncation:
+    """How the sampler truncates the sampling distribution (after temperature, in vLLM's order:
+    min_p, then top_k, then top_p). The inference server reports logprobs renormalised over what
+    is left (vLLM's `processed_logprobs`), so the trainer scores the same truncated distribution
+    (shared/truncation.py holds the rule both apply). Off: top_k 0, top_p 1, min_p 0."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @classmethod
+    def of_sampling(cls, top_p: float | None, top_k: int | None, min_p: float | None) -> Truncation:
+        """From the sampler's request sampling (GET /status), None and vLLM's -1 meaning off;
+        ContractError for values no server accepts."""
+        top_k = 0 if top_k is None or top_k == -1 else top_k
+        top_p = 1.0 if top_p is None else top_p
+        min_p = 0.0 if min_p is None else min_p
+        problems = []
+        if top_k < 0:
+            problems.append(f"top_k {top_k} (want -1, 0 or a positive count)")
+        if not 0.0 < top_p <= 1.0:
+            problems.append(f"top_p {top_p} (want 0 < top_p <= 1)")
+        if not 0.0 <= min_p <= 1.0:
+            problems.append(f"min_p {min_p} (want 0 <= min_p <= 1)")
+        if problems:
+            raise ContractError(f"the sampler samples with {', '.join(problems)}; fix its sampling settings")
+        return cls(top_k=int(top_k), top_p=float(top_p), min_p=float(min_p))
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def describe(self) -> str:
+        parts = [f"min_p {self.min_p}" if self.min_p > 0 else "", f"top_k {self.top_k}" if self.top_k > 0 else "",
+                 f"top_p {self.top_p}" if self.top_p < 1.0 else ""]
+        return ", ".join(part for part in parts if part) or "none"
+
+
+def check_untruncated_sampling(truncation: Truncation, scorer: str) -> None:
+    """For a trainer that scores the full distribution (`scorer` names it): refuse a sampler that
+    truncates, since every importance weight pi_old / pi_behaviour would then be biased."""
+    if truncation.active:
         raise ContractError(
-            f"the sampler samples with {', '.join(truncating)}: the behaviour logprobs are renormalised "
-            "over the truncated distribution while the trainer scores the full one, which biases every "
-            "importance weight; set the sampler's top_p to 1 (and top_k / min_p off) to train on its batches"
+            f"the sampler samples with {truncation.describe()}: the behaviour logprobs are renormalised "
+            f"over the truncated distribution while {scorer} scores the full one, which biases every "
+            "importance weight; set the sampler's top_p to 1 (and top_k / min_p off), or train with "
+            "Tandem's own trainer, which applies the same truncation"
         )
 
 
@@ -172,6 +205,10 @@ class SamplerConfig(BaseModel):
     keep_batches: int | None = None
     filter_zero_variance: bool | None = None
     inference_urls: list[str] | None = None
+
+    def truncation(self) -> Truncation:
+        """The truncation every request starts from (ContractError for impossible values)."""
+        return Truncation.of_sampling(self.top_p, self.top_k, self.min_p)
 
     @classmethod
     def from_status(cls, status: object) -> SamplerConfig:

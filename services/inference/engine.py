@@ -62,6 +62,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -519,7 +520,7 @@ class Engine:
         if len(seq.token_ids) < p.min_tokens:
             banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)))
         return RowParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, generator=seq.generator,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, generator=seq.generator,
             num_top_logprobs=p.logprobs, banned=banned,
         )
 

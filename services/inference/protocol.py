@@ -2,7 +2,7 @@
 JSON shapes (what `vllm serve` returns for the same request).
 
 Requests accept the OpenAI fields plus vLLM's extras Tandem uses (`return_token_ids`,
-`return_weight_versions`, `ignore_eos`, `top_k`, `min_tokens`, `stop_token_ids`, ...); unknown
+`return_weight_versions`, `ignore_eos`, `top_k`, `min_p`, `min_tokens`, `stop_token_ids`, ...); unknown
 fields are ignored, as vLLM does. Responses:
 
 * completion choice: `index, text, logprobs {tokens, token_logprobs, top_logprobs, text_offset} | null,
@@ -40,6 +40,7 @@ class _Request(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -59,6 +60,7 @@ class _Request(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k if self.top_k and self.top_k > 0 else 0,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=tuple(s for s in stop if s),
             stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -1,9 +1,10 @@
 """Per-row sampling for one batched decode step, with vLLM's `processed_logprobs` semantics.
 
-Each row has its own temperature, top-p, top-k and random generator. The logprobs reported
-are those of the distribution actually sampled from: `log_softmax` of the logits after
-temperature scaling and top-k/top-p masking (masked tokens get -inf). Greedy rows
-(temperature 0) take the argmax and report `log_softmax` of the raw logits, as vLLM does.
+Each row has its own temperature, min-p, top-k, top-p and random generator. The logprobs
+reported are those of the distribution actually sampled from: `log_softmax` of the logits
+after temperature scaling and min-p/top-k/top-p masking in vLLM's order (masked tokens get
+-inf). Greedy rows (temperature 0) take the argmax and report `log_softmax` of the raw
+logits, as vLLM does.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) drawn from the row's
 own generator), so a seeded request's tokens do not depend on what else is in the batch.
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.truncation import truncate_
+
 
 @dataclass
 class RowParams:
@@ -24,6 +27,7 @@ class RowParams:
     generator: torch.Generator
     num_top_logprobs: int | None  # None: the caller wants no top-logprobs
     banned: tuple[int, ...] = ()  # token ids masked for this step (EOS before min_tokens)
+    min_p: float = 0.0  # 0: disabled
 
 
 @dataclass
@@ -32,21 +36,6 @@ class StepSample:
     logprobs: list[float]
     # Per row: [(token_id, logprob), ...] best first, or None when not requested.
     top: list[list[tuple[int, float]] | None]
-
-
-def _mask_top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_z, order = torch.sort(z, dim=-1, descending=True)
-    vocab = z.shape[-1]
-    ranks = torch.arange(vocab, device=z.device).expand_as(sorted_z)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    drop = ranks >= k[:, None]
-    probs = torch.softmax(sorted_z.masked_fill(drop, float("-inf")), dim=-1)
-    # Drop a token when the tokens strictly before it already reach top_p; the best token stays.
-    before = torch.cumsum(probs, dim=-1) - probs
-    drop |= before >= top_p[:, None]
-    drop[:, 0] = False
-    mask = torch.zeros_like(drop).scatter(-1, order, drop)
-    return z.masked_fill(mask, float("-inf"))
 
 
 def sample(logits: torch.Tensor, rows: list[RowParams]) -> StepSample:
@@ -60,8 +49,9 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> StepSample:
     z = logits / temps[:, None]
     top_k = torch.tensor([0 if r.temperature == 0 else r.top_k for r in rows])
     top_p = torch.tensor([1.0 if r.temperature == 0 else r.top_p for r in rows])
-    if bool(((top_k > 0) | (top_p < 1.0)).any()):
-        z = _mask_top_k_top_p(z, top_k, top_p)
+    min_p = torch.tensor([0.0 if r.temperature == 0 else r.min_p for r in rows])
+    if bool(((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)).any()):
+        truncate_(z, top_k, top_p, min_p)  # the rule the trainer scores with (shared/truncation.py)
     logprobs = torch.log_softmax(z, dim=-1)
     if bool((~greedy).any()):
         noise = torch.stack([

@@ -75,6 +75,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                              request_timeout=settings.request_timeout, retries=settings.request_retries, http=http,
                              on_version_change=notifier.notify)
         sampling = {"temperature": settings.temperature, "top_p": settings.top_p}
+        # Only when set: otherwise the environment's own top_k / min_p (if any) stand.
+        sampling.update({name: value for name, value in (("top_k", settings.top_k), ("min_p", settings.min_p))
+                         if value is not None})
         if settings.max_tokens is not None:
             sampling["max_tokens"] = settings.max_tokens
 

@@ -95,7 +95,10 @@ class SamplerSettings(TandemSettings):
     max_concurrency: int = Field(default=64, ge=1, description="inference requests in flight")
     eval_concurrency: int = Field(default=0, ge=0, description="eval requests in flight; 0 = a quarter of max_concurrency")
     temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling; the trainer scores the same nucleus")
+    top_k: int | None = Field(default=None, ge=-1, description="sample among the k most likely tokens (-1, 0: off)")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0,
+                                description="drop tokens below min_p x the most likely one's probability")
     max_tokens: int | None = Field(default=None, ge=1, description="unset: the environment's default, else 16")
     seed: int = 0
     advantage: Literal["grpo", "no_std", "rloo"] = Field(

@@ -37,9 +37,14 @@ from typing import Any
 import torch
 
 from services.trainer.collate import MicroBatch, split_micro_batches
-from services.trainer.loss import IMPORTANCE_SAMPLING_LEVELS, loss_normalizer, policy_loss, token_logprobs
+from services.trainer.loss import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    loss_normalizer,
+    policy_loss,
+    truncated_token_logprobs,
+)
 from services.trainer.sharding import Sharding, make_sharding
-from shared.contract import LOSS_NAMES
+from shared.contract import LOSS_NAMES, Truncation
 from shared.wire import Sample
 
 log = logging.getLogger("tandem.trainer.learner")
@@ -57,6 +62,8 @@ class LossConfig:
     importance_sampling_level: str = "token"  # or "sequence" (loss.py)
     mask_truncated_completions: bool = False
     logprob_chunk_size: int = 1024
+    # The sampler's min_p / top_k / top_p: logprobs are scored over the same truncated set.
+    truncation: Truncation | None = None
 
     def __post_init__(self) -> None:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -77,8 +84,16 @@ def _accepts(model: Any, name: str) -> bool:
         return False
 
 
-def forward_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk_size: int = 1024) -> torch.Tensor:
+def forward_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk_size: int = 1024,
+                     truncation: Truncation | None = None) -> torch.Tensor:
     """Logprobs [B, T] of `mb.targets` under `model`, over the window `mb.start:`."""
+    return forward_logprobs_outside(model, mb, temperature, chunk_size, truncation)[0]
+
+
+def forward_logprobs_outside(model: Any, mb: MicroBatch, temperature: float, chunk_size: int = 1024,
+                             truncation: Truncation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_logprobs` and whether each target lies outside the truncated set
+    (loss.truncated_token_logprobs)."""
     T = mb.targets.shape[1]
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "use_cache": False}
     if _accepts(model, "logits_to_keep"):
@@ -89,7 +104,7 @@ def forward_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk_size:
         logits = model(**kwargs).logits
     else:
         logits = model(**kwargs).logits[:, mb.start : mb.start + T]
-    return token_logprobs(logits, mb.targets, temperature, chunk_size=chunk_size)
+    return truncated_token_logprobs(logits, mb.targets, temperature, chunk_size=chunk_size, truncation=truncation)
 
 
 class Learner:
@@ -125,9 +140,10 @@ class Learner:
     def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.sharding.all_reduce(tensor, op)
 
-    def _logprobs(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+    def _logprobs(self, model: Any, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
         with self.sharding.autocast(self.device):
-            return forward_logprobs(model, mb, self.cfg.temperature, self.cfg.logprob_chunk_size)
+            return forward_logprobs_outside(model, mb, cfg.temperature, cfg.logprob_chunk_size, cfg.truncation)
 
     def global_normalizer(self, micro_batches: Sequence[MicroBatch]) -> float:
         local = sum(
@@ -166,7 +182,8 @@ class Learner:
         cfg = self.cfg
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "tokens", "clipped", "is_weight_sum", "is_weight_max", "is_truncated",
-                              "kl_sum", "ratio_sum", "forward_tokens", "logp_sum", "mismatch_sum"), 0.0)
+                              "kl_sum", "ratio_sum", "forward_tokens", "logp_sum", "mismatch_sum",
+                              "outside_truncation"), 0.0)
         new_old: list[torch.Tensor] = []
         new_ref: list[torch.Tensor] | None = [] if cfg.beta else None
         for k, cpu_mb in enumerate(micro_batches):
@@ -177,13 +194,13 @@ class Learner:
                     ref_k = ref[k]
                 else:
                     with torch.no_grad():
-                        ref_k = self._logprobs(self.ref_model, mb)
+                        ref_k = self._logprobs(self.ref_model, mb)[0]
                     self.sharding.reshard(self.ref_model)
                     new_ref.append(ref_k)
             # Under fsdp every backward reduce-scatters its gradients into the shards: deferring
             # that to the last micro-batch would keep a full float32 gradient on every rank.
             with torch.set_grad_enabled(backward):
-                logp = self._logprobs(self.model, mb)
+                logp, outside = self._logprobs(self.model, mb)
             old_k = old[k] if old is not None else logp.detach()
             new_old.append(old_k)
             out = policy_loss(
@@ -201,6 +218,7 @@ class Learner:
                 mask = mb.loss_mask
                 sums["logp_sum"] += float((logp.detach() * mask).sum())
                 sums["mismatch_sum"] += float(((old_k - mb.behaviour_logprobs).abs() * mask).sum())
+                sums["outside_truncation"] += float((outside & (mask > 0)).sum())
             sums["loss"] += float(out.loss.detach())
             sums["tokens"] += out.tokens
             sums["clipped"] += out.clipped
@@ -278,7 +296,7 @@ class Learner:
     def _global_metrics(self, sums: dict[str, float], grad_norms: list[float],
                         forward_tokens: float, num_iterations: int) -> dict[str, float]:
         keys = ["loss", "tokens", "clipped", "clipped_later", "is_weight_sum", "is_truncated",
-                "kl_sum", "ratio_sum", "logp_sum", "mismatch_sum"]
+                "kl_sum", "ratio_sum", "logp_sum", "mismatch_sum", "outside_truncation"]
         total = self._all_reduce(torch.tensor([sums.get(k, 0.0) for k in keys] + [forward_tokens],
                                               dtype=torch.float64))
         peak = self._all_reduce(torch.tensor([sums["is_weight_max"]], dtype=torch.float64), "max")
@@ -301,4 +319,7 @@ class Learner:
         }
         if self.cfg.beta:
             out["kl"] = t["kl_sum"] / tokens
+        if self.cfg.truncation is not None and self.cfg.truncation.active:
+            # Loss tokens the sampler drew that the trainer's truncated policy (pass 1) excludes.
+            out["outside_truncation_fraction"] = t["outside_truncation"] / tokens
         return out

@@ -8,7 +8,8 @@ Notation, per completion token t of sequence i (only tokens with loss mask m_it 
               clipped ratio starts at exactly 1; with `num_iterations` > 1 later passes
               are clipped against it as in PPO.
 * `behaviour` log mu: what the inference server sampled with (`completion_logprobs`,
-              after temperature). mu differs from pi_old for two reasons: the sample may
+              after temperature and truncation; `logp` and `old` are scored over the
+              same truncated set, `token_logprobs`). mu differs from pi_old for two reasons: the sample may
               be up to `max_staleness` versions old, and inference kernels (bf16, other
               numerics) never reproduce the trainer's logprobs exactly.
 * `A_i`       the sequence's advantage, computed by the sampler.
@@ -79,11 +80,13 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from shared.contract import LOSS_NAMES
+from shared.contract import LOSS_NAMES, Truncation
+from shared.truncation import truncate_
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 1024
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 1024,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[targets], with memory bounded by `chunk_size`.
 
@@ -96,7 +99,26 @@ def token_logprobs(
     backward recomputes each chunk's softmax. The float32 working memory is therefore one
     chunk_size x V buffer however long the batch, where plain autograd through
     `log_softmax(logits.float())` would keep a float32 copy of all the logits.
+
+    With an active `truncation` (the sampler's min_p / top_k / top_p) the softmax is over the
+    tokens the sampler could have drawn at each position (shared/truncation.py), as vLLM's
+    processed logprobs are. See `truncated_token_logprobs` for a target outside that set.
     """
+    return truncated_token_logprobs(logits, targets, temperature, chunk_size=chunk_size, truncation=truncation)[0]
+
+
+def truncated_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 1024,
+    truncation: Truncation | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and a boolean [B, T]: whether each target lies outside the truncated
+    set under these logits (always False without truncation).
+
+    The sampler drew every target from its own truncated set; the trainer's set can differ
+    where its weights moved since (staleness) or a token sits on the boundary. Such a target has
+    probability 0 under the trainer's truncated policy and log 0 breaks the ratios, so it is
+    scored over the truncated set plus itself: a finite, small logprob whose importance weight
+    pi_old / pi_behaviour is small too, which is what an excluded token should get."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
@@ -104,7 +126,9 @@ def token_logprobs(
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(f"expected logits [B, T, V] and targets [B, T], got {tuple(logits.shape)} "
                          f"and {tuple(targets.shape)}")
-    return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), int(chunk_size))
+    if truncation is not None and not truncation.active:
+        truncation = None
+    return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), int(chunk_size), truncation)
 
 
 def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
@@ -132,20 +156,34 @@ def _load_scaled(buffer: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, t
     return x
 
 
+def _truncate_keeping_targets(x: torch.Tensor, targets: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    """Mask `x` (scaled logits of a chunk) to the truncated set, each row's target kept in;
+    returns whether each target was outside the set."""
+    picked = x.gather(1, targets)
+    dropped = truncate_(x, truncation.top_k, truncation.top_p, truncation.min_p)
+    x.scatter_(1, targets, picked)
+    return dropped.gather(1, targets).squeeze(1)
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """See `token_logprobs`. d logp_j / d z_jv = (1[v = target_j] - softmax(z_j / tau)_v) / tau."""
+    """See `token_logprobs`. d logp_j / d z_jv = (1[v = target_j] - softmax(z_j / tau)_v) / tau,
+    the softmax over the truncated set when there is one (masked logits get no gradient)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_size: int):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_size: int,
+                truncation: Truncation | None):
         B, T, V = logits.shape
         n = B * T
         compute = torch.promote_types(logits.dtype, torch.float32)
         flat_targets = targets.reshape(n, 1)
         picked = torch.empty(n, dtype=compute, device=logits.device)
         lse = torch.empty(n, dtype=compute, device=logits.device)
+        outside = torch.zeros(n, dtype=torch.bool, device=logits.device)
         buffer = torch.empty(min(chunk_size, n), V, dtype=compute, device=logits.device)
         for lo, hi in _chunks(n, chunk_size):
             x = _load_scaled(buffer, logits, lo, hi, temperature)
+            if truncation is not None:
+                outside[lo:hi] = _truncate_keeping_targets(x, flat_targets[lo:hi], truncation)
             picked[lo:hi] = x.gather(1, flat_targets[lo:hi]).squeeze(1)
             # logsumexp in place: torch.logsumexp would allocate a second chunk-sized tensor.
             # As there, an infinite row maximum is shifted by 0 instead (inf - inf is NaN).
@@ -153,14 +191,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             row_max = torch.where(row_max.isinf(), 0.0, row_max)
             lse[lo:hi] = x.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
         ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return (picked - lse).view(B, T)
+        ctx.temperature, ctx.chunk_size, ctx.truncation = temperature, chunk_size, truncation
+        ctx.mark_non_differentiable(outside)
+        return (picked - lse).view(B, T), outside.view(B, T)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, _grad_outside: torch.Tensor | None):
         logits, targets, lse = ctx.saved_tensors
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        temperature, chunk_size, truncation = ctx.temperature, ctx.chunk_size, ctx.truncation
         B, T, V = logits.shape
         n = B * T
         flat_targets = targets.reshape(n, 1)
@@ -171,10 +210,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         buffer = torch.empty(min(chunk_size, n), V, dtype=lse.dtype, device=logits.device)
         for lo, hi in _chunks(n, chunk_size):
             x = _load_scaled(buffer, logits, lo, hi, temperature)
+            if truncation is not None:
+                # The same logits give the same set as in the forward: exp(-inf) = 0 outside it.
+                _truncate_keeping_targets(x, flat_targets[lo:hi], truncation)
             probs = x.sub_(lse[lo:hi].unsqueeze(1)).exp_()
             g = probs.mul_(-scale[lo:hi]).scatter_add_(1, flat_targets[lo:hi], scale[lo:hi])
             flat_grad[lo:hi].copy_(g)
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def importance_weights(old: torch.Tensor, behaviour: torch.Tensor, cap: float | None) -> torch.Tensor:

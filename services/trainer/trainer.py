@@ -86,14 +86,14 @@ log = logging.getLogger("tandem.trainer")
 
 def accept_sampler_config(status: Any, settings: TrainerSettings, world_size: int) -> SamplerConfig:
     """The sampler's config block from `GET /status`, once it agrees with these settings on the
-    contract (shared/contract.py): batch shape, batch reuse, sampling it can score. Refuses with SettingsError
+    contract (shared/contract.py): batch shape, batch reuse, a valid truncation. Refuses with SettingsError
     (exit status 2) naming the numbers."""
     try:
         config = SamplerConfig.from_status(status)
         contract.check_batch_shape(settings.per_device_batch_size, settings.grad_accum_steps, world_size,
                                    config.prompts_per_step, config.num_generations)
         contract.check_reuse(settings.num_iterations, config.num_iterations)
-        contract.check_untruncated_sampling(config.top_p, config.top_k, config.min_p)
+        config.truncation()  # impossible values refused here; the trainer applies the rest
     except contract.ContractError as exc:
         raise SettingsError(str(exc)) from None
     return config
@@ -311,7 +311,7 @@ class Trainer:
                               max_completion_length=max_len,
                               importance_sampling_level=s.importance_sampling_level,
                               mask_truncated_completions=s.mask_truncated_completions,
-                              logprob_chunk_size=s.logprob_chunk_size)
+                              logprob_chunk_size=s.logprob_chunk_size, truncation=self.config.truncation())
 
         torch.manual_seed(s.seed)
         self.sharding = make_sharding(s.sharding, distributed=world.distributed, rank=world.rank,
@@ -333,11 +333,12 @@ class Trainer:
                                 "world_size": world.world_size, "device": str(world.device),
                                 "sharding": self.sharding.kind, "dtype": str(loaded.dtype),
                                 "publish_dtype": str(loaded.publish_dtype), "publish_dir": str(self.publish_root),
-                                "temperature": temperature,
+                                "temperature": temperature, "truncation": self.config.truncation().describe(),
                                 "resumed_from": str(resumed_from) if resumed_from else None,
                                 "sampler_config": self.config.model_dump(), "settings": self.public_settings})
-            log.info("trainer: steps %d..%d, %d rank(s) on %s, loss %s, temperature %g%s",
+            log.info("trainer: steps %d..%d, %d rank(s) on %s, loss %s, temperature %g, truncation %s%s",
                      start_step, s.max_steps - 1, world.world_size, world.device, s.loss, temperature,
+                     self.config.truncation().describe(),
                      f", resumed from {resumed_from}" if resumed_from else "")
         self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
                               checkpoint_step=start_step - 1 if resumed_from is not None else None)

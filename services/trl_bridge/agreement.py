@@ -52,7 +52,7 @@ def check_grpo_config(args: Any, config: SamplerConfig, world_size: int) -> None
             f"of num_generations ({config.num_generations}), e.g. fewer processes"
         )
     contract.check_reuse(args.num_iterations, config.num_iterations)
-    contract.check_untruncated_sampling(config.top_p, config.top_k, config.min_p)
+    contract.check_untruncated_sampling(config.truncation(), "TRL's GRPOTrainer")
     sampler_t = config.temperature if config.temperature is not None else 1.0
     if sampler_t <= 0:
         raise ContractError(f"the sampler samples with temperature {sampler_t}: greedy decoding has no sampling "

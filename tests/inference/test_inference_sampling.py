@@ -64,6 +64,28 @@ def test_top_p_masks_the_distribution(server: ServerHandle) -> None:
     assert data["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
 
 
+def test_truncated_logprobs_are_renormalised_over_the_kept_set(server: ServerHandle, tiny_model) -> None:
+    """min_p, top_k and top_p together (shared/truncation.py, vLLM's order): the processed
+    logprob of the first sampled token is log_softmax over what survives the truncation."""
+    from shared.truncation import truncate_
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    settings = {"temperature": 0.8, "min_p": 0.05, "top_k": 30, "top_p": 0.7}
+    data = _complete(server, prompt="2 + 2 =", max_tokens=1, seed=7, n=8, logprobs=0, **settings)
+    with torch.no_grad():
+        z = model(torch.tensor([data["choices"][0]["prompt_token_ids"]])).logits[0, -1:] / 0.8
+    dropped = truncate_(z, settings["top_k"], settings["top_p"], settings["min_p"])
+    assert 1 < int((~dropped).sum()) < 30, "the settings leave a few tokens"
+    expected = torch.log_softmax(z, -1)[0]
+    for choice in data["choices"]:
+        token = choice["token_ids"][0]
+        assert not dropped[0, token], "sampled a token the truncation removes"
+        assert choice["logprobs"]["token_logprobs"][0] == pytest.approx(expected[token].item(), abs=1e-4)
+    with httpx.Client() as client:
+        bad = client.post(server.url + "/v1/completions", json={"prompt": "x", "min_p": 1.5}, timeout=30)
+    assert bad.status_code == 400 and "min_p" in bad.text
+
+
 def test_stop_strings_cut_text(server: ServerHandle) -> None:
     base = _complete(server, prompt="Hello", max_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
     text = base["choices"][0]["text"]

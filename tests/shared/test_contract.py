@@ -55,10 +55,20 @@ def test_status_config_block_is_validated() -> None:
         SamplerConfig.from_status(["not", "a", "status"])
 
 
-def test_truncated_sampling_is_refused_naming_the_settings() -> None:
-    contract.check_untruncated_sampling(1.0, None, None)
-    contract.check_untruncated_sampling(None, -1, 0.0)  # vLLM's "off" values
-    with pytest.raises(ContractError, match=r"top_p 0\.9, top_k 20"):
-        contract.check_untruncated_sampling(0.9, 20, None)
-    with pytest.raises(ContractError, match=r"min_p 0\.05"):
-        contract.check_untruncated_sampling(1.0, None, 0.05)
+def test_truncation_of_the_samplers_sampling() -> None:
+    Truncation = contract.Truncation
+    assert Truncation.of_sampling(1.0, None, None) == Truncation()
+    assert not Truncation.of_sampling(None, -1, 0.0).active  # vLLM's "off" values
+    truncation = Truncation.of_sampling(0.9, 20, 0.05)
+    assert truncation == Truncation(top_k=20, top_p=0.9, min_p=0.05) and truncation.active
+    assert truncation.describe() == "min_p 0.05, top_k 20, top_p 0.9"
+    config = SamplerConfig.from_status({"config": {"prompts_per_step": 2, "num_generations": 4, "top_p": 0.8}})
+    assert config.truncation() == Truncation(top_p=0.8)
+    with pytest.raises(ContractError, match=r"top_k -3 .*top_p 1\.5"):
+        Truncation.of_sampling(1.5, -3, None)
+
+
+def test_a_scorer_of_the_full_distribution_refuses_truncation_naming_the_settings() -> None:
+    contract.check_untruncated_sampling(contract.Truncation(), "TRL's GRPOTrainer")
+    with pytest.raises(ContractError, match=r"top_k 20, top_p 0\.9: .*while TRL's GRPOTrainer scores"):
+        contract.check_untruncated_sampling(contract.Truncation.of_sampling(0.9, 20, None), "TRL's GRPOTrainer")

@@ -32,24 +32,41 @@ TOKEN = "trainer-test-token"
 
 
 @pytest.fixture
-def stack(tmp_path: Path, tiny_model_dir: Path):
-    """(sampler process, inference thread): 2 prompts x 4 generations, max_staleness 1, 8 tokens."""
+def make_stack(tmp_path: Path, tiny_model_dir: Path):
+    """make_stack(**sampler_settings) -> (sampler process, inference thread): 2 prompts x 4
+    generations, max_staleness 1, 8 tokens unless overridden."""
     from services.inference.config import InferenceSettings
     from services.inference.server import create_app
 
-    inference = UvicornThread(create_app(InferenceSettings(model=str(tiny_model_dir)))).start()
-    sampler = start_sampler_process(
-        tmp_path / "sampler", inference_urls=[inference.url], env=ENV, prompts_per_step=2,
-        num_generations=4, max_tokens=8, max_staleness=1, temperature=1.0, eval_examples=8, api_token=TOKEN,
-    )
+    started = []
+
+    def make(**overrides):
+        inference = UvicornThread(create_app(InferenceSettings(model=str(tiny_model_dir)))).start()
+        settings = {"inference_urls": [inference.url], "env": ENV, "prompts_per_step": 2, "num_generations": 4,
+                    "max_tokens": 8, "max_staleness": 1, "temperature": 1.0, "eval_examples": 8, "api_token": TOKEN}
+        settings.update(overrides)
+        sampler_dir = tmp_path / ("sampler" if not started else f"sampler-{len(started)}")
+        started.append((None, inference, sampler_dir))
+        sampler = start_sampler_process(sampler_dir, **settings)
+        started[-1] = (sampler, inference, sampler_dir)
+        return sampler, inference
+
     try:
-        yield sampler, inference
+        yield make
     finally:
         # SIGKILL: every test has its own run directory, and a graceful sampler shutdown
         # costs seconds per test. The embedded Redis runs in its own session: kill it too.
-        sampler.kill()
-        kill_embedded_redis(tmp_path / "sampler")
-        inference.stop()
+        for sampler, inference, sampler_dir in started:
+            if sampler is not None:
+                sampler.kill()
+            kill_embedded_redis(sampler_dir)
+            inference.stop()
+
+
+@pytest.fixture
+def stack(make_stack):
+    """(sampler process, inference thread) with make_stack's defaults."""
+    return make_stack()
 
 
 def _settings(tiny_model_dir: Path, sampler, run_dir: Path, **overrides) -> TrainerSettings:
@@ -183,20 +200,48 @@ def test_cli_refuses_a_batch_shape_mismatch(stack, tiny_model_dir: Path, tmp_pat
     assert not (tmp_path / "t" / "checkpoints").exists()
 
 
-def test_cli_refuses_a_sampler_that_truncates_sampling(make_sampler, tiny_model_dir: Path, tmp_path: Path,
-                                                      capsys) -> None:
-    """top_p < 1 makes the behaviour logprobs those of a renormalised distribution the trainer
-    does not score: refused at start-up, naming the setting, before any model is loaded."""
-    sampler = make_sampler(prompts_per_step=2, num_generations=4, top_p=0.9)
-    status = httpx.get(sampler.url + "/status", timeout=30).json()
-    assert (status["config"]["top_p"], status["config"]["top_k"]) == (0.9, None)
-    code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url,
-                         "--run-dir", str(tmp_path / "t"), "--per-device-batch-size", "4",
-                         "--grad-accum-steps", "2", "--no-progress"], prog="tandem trainer")
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "top_p 0.9" in err and "set the sampler's top_p to 1" in err, err
-    assert not (tmp_path / "t" / "checkpoints").exists()
+async def test_scores_the_truncated_distribution_a_sampler_samples_from(make_stack, tiny_model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """top_k / top_p < 1: the inference server reports logprobs renormalised over the truncated
+    set, and the trainer scores the same set (shared/truncation.py), so on-policy samples have no
+    behaviour mismatch. Scoring the full distribution instead would be off by ~0.1 nats a token."""
+    sampler, _ = make_stack(max_staleness=0, top_p=0.8, top_k=12)
+    config = httpx.get(sampler.url + "/status", timeout=30).json()["config"]
+    assert (config["top_p"], config["top_k"]) == (0.8, 12)
+    run_dir = tmp_path / "trainer"
+    summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=2, eval_at_start=False,
+                                    eval_at_end=False))
+    assert summary["final_version"] == 2
+    (start,) = _records(run_dir, "start")
+    assert start["truncation"] == "top_k 12, top_p 0.8"
+    steps = _records(run_dir, "step")
+    for r in steps:
+        assert r["staleness_max"] == 0
+        assert r["behaviour_mismatch"] < 1e-4, r
+        assert r["outside_truncation_fraction"] == 0.0, r
+
+    # The settings do truncate: batch 0 (version 0, the starting weights) scored over the full
+    # distribution is far from the sampler's logprobs, and over the truncated one it is not.
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.collate import split_micro_batches
+    from services.trainer.learner import forward_logprobs
+    from shared.contract import Truncation
+
+    async with SamplerClient(sampler.url, api_token=TOKEN) as client:
+        batch = await client.get_batch(0, timeout=60)
+    (mb,) = split_micro_batches(batch.samples, 1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    mask = mb.loss_mask > 0
+
+    def mismatch(truncation: Truncation | None) -> float:
+        with torch.no_grad():
+            logp = forward_logprobs(model, mb, 1.0, truncation=truncation)
+        return float((logp - mb.behaviour_logprobs).abs()[mask].mean())
+
+    truncated, full = mismatch(Truncation(top_k=12, top_p=0.8)), mismatch(None)
+    print(f"batch 0 mismatch: truncated {truncated:.2g}, full distribution {full:.2g}")
+    assert truncated < 1e-4 and full > 0.05
 
 
 def _torchrun(sampler, tiny_model_dir: Path, run_dir: Path, *flags: str) -> None:

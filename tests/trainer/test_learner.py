@@ -173,3 +173,24 @@ def test_sequence_level_importance_sampling_is_wired_through(base_model) -> None
     with pytest.raises(ValueError, match="importance_sampling_level"):
         _learner(copy.deepcopy(base_model), importance_sampling_level="group").train_on_samples(
             samples, grad_accum_steps=1)
+
+
+def test_truncation_reaches_the_logprobs_and_counts_tokens_outside_it(base_model) -> None:
+    """The sampler's top_k reaches the learner's logprobs (pi_old, ratios, weights), and sampled
+    tokens outside the trainer's truncated set are counted, with a finite loss and an applied step.
+    make_samples draws completion tokens at random: under top_k 1 almost all are outside."""
+    from shared.contract import Truncation
+
+    samples = make_samples(8, seed=5)
+    mb = collate(samples)
+    plain = forward_logprobs(base_model, mb, temperature=1.0)
+    truncated = forward_logprobs(base_model, mb, temperature=1.0, truncation=Truncation(top_k=1))
+    live = mb.loss_mask > 0
+    assert bool((truncated[live] > plain[live]).all()), "a softmax over fewer tokens gives every target more"
+
+    model = copy.deepcopy(base_model)
+    metrics = _learner(model, truncation=Truncation(top_k=1)).train_on_samples(samples, grad_accum_steps=2, lr=1e-3)
+    assert 0.5 < metrics["outside_truncation_fraction"] <= 1.0
+    assert metrics["skipped_non_finite"] == 0.0 and metrics["grad_norm"] > 0
+    untruncated = _learner(copy.deepcopy(base_model)).train_on_samples(samples, grad_accum_steps=2, lr=1e-3)
+    assert "outside_truncation_fraction" not in untruncated

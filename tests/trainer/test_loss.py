@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 
+from shared.contract import Truncation
+from shared.truncation import truncate_
+
 from services.trainer.loss import (
+    truncated_token_logprobs,
     importance_weights,
     k3_kl,
     loss_normalizer,
@@ -220,6 +224,66 @@ def test_chunked_logprobs_without_grad_keep_nothing() -> None:
         got = token_logprobs(full[:, :-1], targets, 1.0, chunk_size=2)
     assert got.grad_fn is None
     torch.testing.assert_close(got.double(), _reference_logprobs(full[:, :-1], targets, 1.0), rtol=1e-6, atol=1e-6)
+
+
+# -- token_logprobs under the sampler's truncation (shared/truncation.py) ----------------
+
+TRUNCATION = Truncation(top_k=6, top_p=0.8, min_p=0.01)
+
+
+def _reference_truncated(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                         truncation: Truncation) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 autograd: mask the scaled logits to the truncated set (the target kept in),
+    log_softmax, pick the target; and whether the target was outside the set."""
+    scaled = logits.double() / temperature
+    flat = scaled.reshape(-1, scaled.shape[-1])
+    with torch.no_grad():
+        dropped = truncate_(flat.detach().clone(), truncation.top_k, truncation.top_p, truncation.min_p)
+    t = targets.reshape(-1, 1)
+    outside = dropped.gather(1, t).squeeze(1)
+    keep = ~dropped.scatter(1, t, False)
+    logp = torch.log_softmax(flat.masked_fill(~keep, float("-inf")), dim=-1).gather(1, t).squeeze(1)
+    return logp.view(targets.shape), outside.view(targets.shape)
+
+
+def test_truncated_logprobs_are_the_renormalised_ones() -> None:
+    full, targets, _ = _logits_case(B=4, T=6, V=40)
+    logits = full[:, :-1]
+    # Targets drawn from the truncated distribution itself, as the sampler draws them.
+    flat = (logits.double() / 0.7).reshape(-1, 40).clone()
+    truncate_(flat, TRUNCATION.top_k, TRUNCATION.top_p, TRUNCATION.min_p)
+    targets = torch.multinomial(torch.softmax(flat, -1), 1, generator=torch.Generator().manual_seed(1)).view(4, 6)
+    got, outside = truncated_token_logprobs(logits, targets, 0.7, chunk_size=5, truncation=TRUNCATION)
+    assert not outside.any()
+    want = torch.log_softmax(flat, -1).gather(1, targets.reshape(-1, 1)).view(4, 6)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    # Untruncated scoring of the same tokens is clearly lower (the sampler's logprobs are renormalised).
+    untruncated = token_logprobs(logits, targets, 0.7)
+    assert float((got - untruncated).mean()) > 0.05
+
+
+def test_a_target_outside_the_set_is_flagged_and_stays_finite() -> None:
+    full, targets, _ = _logits_case(B=3, T=5, V=30)
+    logits = full[:, :-1]  # uniform random targets: many outside top_k 6 / top_p 0.8
+    got, outside = truncated_token_logprobs(logits, targets, 0.7, chunk_size=4, truncation=TRUNCATION)
+    want, want_outside = _reference_truncated(logits, targets, 0.7, TRUNCATION)
+    assert torch.equal(outside, want_outside) and 0 < int(outside.sum()) < outside.numel()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    # Inactive settings are the untruncated computation, bit for bit.
+    plain = token_logprobs(logits, targets, 0.7, chunk_size=4)
+    assert torch.equal(token_logprobs(logits, targets, 0.7, chunk_size=4, truncation=Truncation()), plain)
+
+
+def test_truncated_logprobs_gradient_equals_reference_autograd() -> None:
+    full, targets, grad_out = _logits_case(torch.float64, B=3, T=5, V=30)
+    ours = full.clone().requires_grad_(True)
+    truncated_token_logprobs(ours[:, :-1], targets, 0.7, chunk_size=4, truncation=TRUNCATION)[0].backward(grad_out)
+    ref = full.clone().requires_grad_(True)
+    _reference_truncated(ref[:, :-1], targets, 0.7, TRUNCATION)[0].backward(grad_out)
+    torch.testing.assert_close(ours.grad, ref.grad, rtol=1e-12, atol=1e-12)
+    # Tokens outside the set (other than the target) get no gradient.
+    assert int((ours.grad == 0).sum()) > full.shape[0] * full.shape[2]
 
 
 # -- masked positions cannot leak ---------------------------------------------------------
