@@ -46,6 +46,8 @@ import torch
 COMMAND = ".venv/bin/python -m bench logprob_memory"
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
+# Sampler settings a user might train with; top_p's sort is the cost, whatever the values.
+TRUNCATION = {"top_k": 50, "top_p": 0.95}
 
 
 def previous_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -88,16 +90,18 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one variant's forward + backward in `spec["window"]` and return its peak memory
     (in this process)."""
     from services.trainer.loss import token_logprobs
+    from shared.contract import Truncation
 
     window, variant, dtype = spec["window"], spec["variant"], getattr(torch, spec["dtype"])
     B, T, V, H = spec["batch"], spec["seq"], spec["vocab"], spec["hidden"]
     temperature, chunk_size = spec["temperature"], spec["chunk_size"]
+    truncation = Truncation(**spec["truncation"]) if spec.get("truncation") else None
     if variant == "before":
         def logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return previous_token_logprobs(logits, targets, temperature)
     else:
         def logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return token_logprobs(logits, targets, temperature, chunk_size=chunk_size)
+            return token_logprobs(logits, targets, temperature, chunk_size=chunk_size, truncation=truncation)
 
     def inputs(b: int, t: int, v: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(0)
@@ -161,13 +165,18 @@ def measure_in_subprocess(spec: dict[str, Any], timeout: float = 900.0) -> dict[
 
 def run(results_dir: Path, *, batch: int = 4, seq: int = 512, vocab: int = 151_936, hidden: int = 64,
         dtypes: tuple[str, ...] = ("bfloat16", "float32"), temperatures: tuple[float, ...] = (1.0, 0.7),
-        chunk_sizes: tuple[int, ...] = (1024, 256), windows: tuple[str, ...] = ("logprob", "lm_head")) -> dict:
+        chunk_sizes: tuple[int, ...] = (1024, 256), windows: tuple[str, ...] = ("logprob", "lm_head"),
+        truncation: dict[str, Any] | None = TRUNCATION) -> dict:
     """Measure before, and after at each chunk size, for every window x dtype x temperature.
 
     The first chunk size is the default one; the others show what the knob buys. The
     `lm_head` window runs at the first temperature and chunk size only: bfloat16 matmuls are
     slow on a CPU (minutes per run at the default size), and the floor it adds is the same
     whatever the temperature or chunk size.
+
+    With `truncation` (the sampler's top_k / top_p), the `logprob` window at the first
+    temperature is measured once more with it, at every chunk size: what scoring a truncated
+    distribution adds (a sort of each chunk's vocabulary, in slices) to time and memory.
     """
     # Imported here, not at the top: the child processes import this module and need none of it.
     from bench._common import host, write_results
@@ -194,9 +203,20 @@ def run(results_dir: Path, *, batch: int = 4, seq: int = 512, vocab: int = 151_9
                         "grad_norm_rel_diff": (abs(after["grad_norm"] - before["grad_norm"])
                                                / max(before["grad_norm"], 1e-12)),
                     })
+    truncated_rows = []
+    if truncation and "logprob" in windows:
+        for dtype in dtypes:
+            case = {**shape, "window": "logprob", "dtype": dtype, "temperature": temperatures[0], "variant": "after"}
+            for chunk_size in chunk_sizes:
+                plain = next(r["after"] for r in rows if r["window"] == "logprob" and r["dtype"] == dtype
+                             and r["temperature"] == temperatures[0] and r["chunk_size"] == chunk_size)
+                truncated = measure_in_subprocess({**case, "chunk_size": chunk_size, "truncation": truncation})
+                truncated_rows.append({"dtype": dtype, "chunk_size": chunk_size, "untruncated": plain,
+                                       "truncated": truncated})
     result = {"benchmark": "logprob_memory", "setup": {**shape, "positions": batch * seq,
                                                        "float32_copy_mib": round(batch * seq * vocab * 4 / MIB, 1)},
-              "rows": rows, "host": host(), "command": COMMAND}
+              "rows": rows, "truncation": truncation, "truncated_rows": truncated_rows,
+              "host": host(), "command": COMMAND}
     write_results(results_dir, "logprob_memory", result, _markdown(result))
     return result
 
@@ -233,6 +253,23 @@ def _markdown(result: dict[str, Any]) -> str:
             f"{r['after']['peak_mib']:.0f} | {r['after_over_before']:.2f} | {r['before']['seconds']:.1f} | "
             f"{r['after']['seconds']:.1f} | {r['loss_rel_diff']:.1e} | {r['grad_norm_rel_diff']:.1e} |"
         )
+    if result.get("truncated_rows"):
+        t = result["truncation"]
+        lines += [
+            "",
+            f"Scoring a truncated distribution (`truncation=Truncation({', '.join(f'{k}={v}' for k, v in t.items())})`, "
+            "the sampler's settings; shared/truncation.py finds each position's cut among its best `CANDIDATES` "
+            "tokens, sorting a whole row only where those hold less than top_p of the mass, once in the forward; "
+            "the backward reuses the cut), `logprob` window. The synthetic logits here are nearly flat, so "
+            "top_k decides the set:",
+            "",
+            "| logits dtype | chunk | untruncated peak MiB | truncated peak MiB | untruncated s | truncated s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in result["truncated_rows"]:
+            lines.append(f"| {r['dtype']} | {r['chunk_size']} | {r['untruncated']['peak_mib']:.0f} | "
+                         f"{r['truncated']['peak_mib']:.0f} | {r['untruncated']['seconds']:.1f} | "
+                         f"{r['truncated']['seconds']:.1f} |")
     methods = sorted({r[v]["method"] for r in result["rows"] for v in ("before", "after")})
     threads = result["rows"][0]["after"]["threads"] if result["rows"] else "?"
     first_chunk = result["rows"][0]["chunk_size"] if result["rows"] else 0

@@ -81,7 +81,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from shared.contract import LOSS_NAMES, Truncation
-from shared.truncation import truncate_
+from shared.truncation import thresholds
 
 
 def token_logprobs(
@@ -156,13 +156,12 @@ def _load_scaled(buffer: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, t
     return x
 
 
-def _truncate_keeping_targets(x: torch.Tensor, targets: torch.Tensor, truncation: Truncation) -> torch.Tensor:
-    """Mask `x` (scaled logits of a chunk) to the truncated set, each row's target kept in;
-    returns whether each target was outside the set."""
+def _mask_keeping_targets(x: torch.Tensor, targets: torch.Tensor, cut: torch.Tensor) -> None:
+    """Mask `x` (scaled logits of a chunk) to its truncated set `x >= cut` ([rows, 1]), each
+    row's target kept in."""
     picked = x.gather(1, targets)
-    dropped = truncate_(x, truncation.top_k, truncation.top_p, truncation.min_p)
+    x.masked_fill_(x < cut, float("-inf"))
     x.scatter_(1, targets, picked)
-    return dropped.gather(1, targets).squeeze(1)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -179,27 +178,32 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         picked = torch.empty(n, dtype=compute, device=logits.device)
         lse = torch.empty(n, dtype=compute, device=logits.device)
         outside = torch.zeros(n, dtype=torch.bool, device=logits.device)
+        # Per position, the smallest logit the truncation keeps: the backward masks with it
+        # instead of finding the set again.
+        cuts = torch.full((n, 1), float("-inf"), dtype=compute, device=logits.device)
         buffer = torch.empty(min(chunk_size, n), V, dtype=compute, device=logits.device)
         for lo, hi in _chunks(n, chunk_size):
             x = _load_scaled(buffer, logits, lo, hi, temperature)
             if truncation is not None:
-                outside[lo:hi] = _truncate_keeping_targets(x, flat_targets[lo:hi], truncation)
+                cuts[lo:hi] = thresholds(x, truncation.top_k, truncation.top_p, truncation.min_p)
+                outside[lo:hi] = (x.gather(1, flat_targets[lo:hi]) < cuts[lo:hi]).squeeze(1)
+                _mask_keeping_targets(x, flat_targets[lo:hi], cuts[lo:hi])
             picked[lo:hi] = x.gather(1, flat_targets[lo:hi]).squeeze(1)
             # logsumexp in place: torch.logsumexp would allocate a second chunk-sized tensor.
             # As there, an infinite row maximum is shifted by 0 instead (inf - inf is NaN).
             row_max = x.amax(1, keepdim=True)
             row_max = torch.where(row_max.isinf(), 0.0, row_max)
             lse[lo:hi] = x.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.chunk_size, ctx.truncation = temperature, chunk_size, truncation
+        ctx.save_for_backward(logits, targets, lse, cuts if truncation is not None else None)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(outside)
         return (picked - lse).view(B, T), outside.view(B, T)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor, _grad_outside: torch.Tensor | None):
-        logits, targets, lse = ctx.saved_tensors
-        temperature, chunk_size, truncation = ctx.temperature, ctx.chunk_size, ctx.truncation
+        logits, targets, lse, cuts = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
         B, T, V = logits.shape
         n = B * T
         flat_targets = targets.reshape(n, 1)
@@ -210,9 +214,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         buffer = torch.empty(min(chunk_size, n), V, dtype=lse.dtype, device=logits.device)
         for lo, hi in _chunks(n, chunk_size):
             x = _load_scaled(buffer, logits, lo, hi, temperature)
-            if truncation is not None:
-                # The same logits give the same set as in the forward: exp(-inf) = 0 outside it.
-                _truncate_keeping_targets(x, flat_targets[lo:hi], truncation)
+            if cuts is not None:
+                # The forward's set (the same logits, the same cut): exp(-inf) = 0 outside it.
+                _mask_keeping_targets(x, flat_targets[lo:hi], cuts[lo:hi])
             probs = x.sub_(lse[lo:hi].unsqueeze(1)).exp_()
             g = probs.mul_(-scale[lo:hi]).scatter_add_(1, flat_targets[lo:hi], scale[lo:hi])
             flat_grad[lo:hi].copy_(g)

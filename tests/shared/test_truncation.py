@@ -79,15 +79,28 @@ def test_ties_at_the_kth_logit_stay() -> None:
     assert _kept(z, 2, 1.0, 0.0) == [{0, 1, 2, 3}]
 
 
-def test_the_most_likely_token_always_stays() -> None:
+def test_the_most_likely_token_always_stays_and_ties_at_the_cut_stay_too() -> None:
     z = torch.tensor([[9.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     first, tied = _kept(z, 0, 0.01, 0.0)
     assert first == {0}
-    assert len(tied) == 1  # which of three equal tokens is an implementation's sort order
+    # vLLM keeps one of three equal tokens, whichever its sort puts last; the set is
+    # z >= the cut here, so all three (an engine's sort order cannot be reproduced anyway).
+    assert tied == {0, 1, 2}
+    assert _kept(torch.tensor([[2.0, 1.0, 1.0, 0.0]]), 0, 0.75, 0.0) == [{0, 1, 2}]
+
+
+def test_a_row_whose_nucleus_is_beyond_the_candidates_is_sorted_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    z = _logits(rows=6, vocab=200) * 0.1  # nearly flat: top_p 0.9 keeps ~180 tokens
+    want = [_vllm_row(row.tolist(), 0, 0.9, 0.0) for row in z]
+    monkeypatch.setattr(truncation, "CANDIDATES", 16)
+    assert _kept(z, 0, 0.9, 0.0) == want
+    assert _kept(z, 0, 0.05, 0.0) == [_vllm_row(row.tolist(), 0, 0.05, 0.0) for row in z]  # within 16
+    assert all(len(kept) > 16 for kept in want)
 
 
 def test_rows_sorted_in_slices_give_the_same_sets(monkeypatch: pytest.MonkeyPatch) -> None:
     z = _logits(rows=9, vocab=40)
     whole = _kept(z, 6, 0.8, 0.02)
-    monkeypatch.setattr(truncation, "SORT_ELEMENTS", 2 * 40)  # two rows per sort
+    monkeypatch.setattr(truncation, "SORT_ELEMENTS", 2 * 40)  # two rows per slice
+    monkeypatch.setattr(truncation, "CANDIDATES", 8)
     assert _kept(z, 6, 0.8, 0.02) == whole

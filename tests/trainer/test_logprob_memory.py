@@ -36,3 +36,8 @@ def test_benchmark_runs_small(tmp_path) -> None:
     for row in result["rows"]:
         assert row["before"]["peak_mib"] >= 0 and row["after"]["peak_mib"] >= 0
         assert row["loss_rel_diff"] < 1e-5
+    # The truncated variant runs at each chunk size and scores something else (renormalised).
+    assert [r["chunk_size"] for r in written["truncated_rows"]] == [4, 16]
+    for row in result["truncated_rows"]:
+        assert row["truncated"]["loss"] != row["untruncated"]["loss"]
+    assert "truncated peak MiB" in (tmp_path / "logprob_memory.md").read_text()
