@@ -108,6 +108,15 @@ def _stream_completion(url: str, body: dict, first_token: threading.Event) -> di
     return {"status_code": 200, "choices": [choices[i] for i in sorted(choices)]}
 
 
+def _ended_early(results: dict) -> str:
+    """What a request that ended while the server was paused came back with."""
+    long = results.get("long")
+    if isinstance(long, dict) and "choices" in long:
+        ends = sorted({(c["finish_reason"], len(c["token_ids"])) for c in long["choices"]})
+        return f"the long request ended while paused: {len(long['choices'])} choices, (finish_reason, tokens) {ends}"
+    return f"ended while paused: {sorted(results)} {str(long)[:300]}"
+
+
 def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_checkpoint: Path) -> None:
     """16 seeded sequences in flight when the sync starts: frozen while paused, finished after
     resume with every token. Pausing preempts them (vLLM's pause clears the prefix cache) and
@@ -162,7 +171,7 @@ def test_keep_pause_holds_requests_across_a_sync(vllm_server: VllmHandle, other_
         assert answer.status_code == 200, answer.text
         assert httpx.post(url + "/update_weight_version", json={"new_version": str(dispatched + 1)}).status_code == 200
         assert httpx.post(url + "/reset_prefix_cache").json() == {"success": True}
-        assert "long" not in results and "short" not in results
+        assert "long" not in results and "short" not in results, _ended_early(results)
         resumed = time.monotonic()
     finally:
         assert httpx.post(url + "/resume", timeout=60).json() == {"status": "resumed"}
