@@ -156,12 +156,13 @@ def _load_scaled(buffer: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, t
     return x
 
 
-def _mask_keeping_targets(x: torch.Tensor, targets: torch.Tensor, cut: torch.Tensor) -> None:
+def _mask_keeping_targets(x: torch.Tensor, targets: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     """Mask `x` (scaled logits of a chunk) to its truncated set `x >= cut` ([rows, 1]), each
-    row's target kept in."""
+    row's target kept in; returns whether each target was outside the set."""
     picked = x.gather(1, targets)
     x.masked_fill_(x < cut, float("-inf"))
     x.scatter_(1, targets, picked)
+    return (picked < cut).squeeze(1)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -186,8 +187,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             x = _load_scaled(buffer, logits, lo, hi, temperature)
             if truncation is not None:
                 cuts[lo:hi] = thresholds(x, truncation.top_k, truncation.top_p, truncation.min_p)
-                outside[lo:hi] = (x.gather(1, flat_targets[lo:hi]) < cuts[lo:hi]).squeeze(1)
-                _mask_keeping_targets(x, flat_targets[lo:hi], cuts[lo:hi])
+                outside[lo:hi] = _mask_keeping_targets(x, flat_targets[lo:hi], cuts[lo:hi])
             picked[lo:hi] = x.gather(1, flat_targets[lo:hi]).squeeze(1)
             # logsumexp in place: torch.logsumexp would allocate a second chunk-sized tensor.
             # As there, an infinite row maximum is shifted by 0 instead (inf - inf is NaN).

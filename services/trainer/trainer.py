@@ -305,13 +305,14 @@ class Trainer:
 
         self.config = accept_sampler_config(await self.client.status(), s, world.world_size)
         temperature = resolve_temperature(s, self.config)
+        truncation = self.config.truncation()
         max_len = s.max_completion_length or self.config.max_tokens
         loss_cfg = LossConfig(loss_type=s.loss, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
                               tis_cap=s.tis_cap, beta=s.beta, temperature=temperature,
                               max_completion_length=max_len,
                               importance_sampling_level=s.importance_sampling_level,
                               mask_truncated_completions=s.mask_truncated_completions,
-                              logprob_chunk_size=s.logprob_chunk_size, truncation=self.config.truncation())
+                              logprob_chunk_size=s.logprob_chunk_size, truncation=truncation)
 
         torch.manual_seed(s.seed)
         self.sharding = make_sharding(s.sharding, distributed=world.distributed, rank=world.rank,
@@ -333,12 +334,12 @@ class Trainer:
                                 "world_size": world.world_size, "device": str(world.device),
                                 "sharding": self.sharding.kind, "dtype": str(loaded.dtype),
                                 "publish_dtype": str(loaded.publish_dtype), "publish_dir": str(self.publish_root),
-                                "temperature": temperature, "truncation": self.config.truncation().describe(),
+                                "temperature": temperature, "truncation": truncation.describe(),
                                 "resumed_from": str(resumed_from) if resumed_from else None,
                                 "sampler_config": self.config.model_dump(), "settings": self.public_settings})
             log.info("trainer: steps %d..%d, %d rank(s) on %s, loss %s, temperature %g, truncation %s%s",
                      start_step, s.max_steps - 1, world.world_size, world.device, s.loss, temperature,
-                     self.config.truncation().describe(),
+                     truncation.describe(),
                      f", resumed from {resumed_from}" if resumed_from else "")
         self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
                               checkpoint_step=start_step - 1 if resumed_from is not None else None)
