@@ -22,3 +22,17 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+async def wait_any(events: list[asyncio.Event], timeout: float) -> bool:
+    """Wait until one of `events` is set, at most `timeout` seconds; False when the time ran out.
+    (asyncio.wait, unlike wait_for, never swallows a cancellation of the waiting task.)"""
+    if any(event.is_set() for event in events):
+        return True
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        done, _ = await asyncio.wait(waiters, timeout=max(timeout, 0.0), return_when=asyncio.FIRST_COMPLETED)
+        return bool(done)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -42,7 +42,12 @@ class BatchNotReady(SamplerRequestError):
 
 
 class BatchTrimmed(SamplerRequestError):
-    """410: the batch was trimmed from the sampler's retention window."""
+    """410: the batch was trimmed from the sampler's retention window, or (`superseded`) it was
+    never sealed and the published version is already past it."""
+
+    @property
+    def superseded(self) -> bool:
+        return isinstance(self.detail, dict) and self.detail.get("reason") == "superseded"
 
 
 class VersionConflict(SamplerRequestError):
@@ -156,6 +161,8 @@ class SamplerClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
             except BatchTrimmed as exc:
+                if exc.superseded:
+                    raise SamplerError(f"batch {step} is not available: {exc.detail['message']}") from exc
                 raise SamplerError(
                     f"batch {step} was trimmed by the sampler ({exc.detail}): the trainer fell behind its "
                     "retention window (raise the sampler's keep_batches, or start a fresh sampler run_dir)"

@@ -220,4 +220,8 @@ class EvalResult(_Open):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    """GET /health: "ok", or "degraded" with what is wrong (the process is alive either way:
+    restarting it would not help, so the answer stays 200)."""
+
+    status: Literal["ok", "degraded"] = "ok"
+    problems: list[str] = Field(default_factory=list)

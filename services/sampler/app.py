@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,7 @@ from fastapi.staticfiles import StaticFiles
 from services.sampler import guards
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
+from services.sampler.drill import Drill
 from services.sampler.envs import Environment, load_environment
 from services.sampler.evals import Evals
 from services.sampler.fleet import Fleet
@@ -32,6 +34,7 @@ from services.sampler.observability.metrics import SamplerMetrics
 from services.sampler.observability.recent import RecentRollouts
 from services.sampler.observability.throughput import ThroughputHistory
 from services.sampler.producer import Producer
+from services.sampler.redis_link import RedisLink
 from services.sampler.redis_server import start_embedded, watch_embedded
 from services.sampler.replay_store import ReplayPool
 from services.sampler.rollout import NonFiniteCounts, Rollouts
@@ -64,12 +67,14 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
     # can join at run time, hence the margin).
     http = HttpClient(max_connections=settings.max_concurrency + 2 * len(settings.inference_urls) + 64,
                       timeout=settings.request_timeout)
-    supervisor = Supervisor()
+    link = RedisLink(redis, redis_url)
+    supervisor = Supervisor(link)
     try:
         await redis.ping()
+        await link.start()
         keys = Keys(settings.namespace)
         store = Store(redis, keys)
-        notifier = Notifier(redis_url, keys.events)
+        notifier = Notifier(redis_url, keys.events, link)
         # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).
         pool = InferencePool([], max_concurrency=settings.max_concurrency,
                              request_timeout=settings.request_timeout, retries=settings.request_retries, http=http,
@@ -96,6 +101,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             return rollouts if env_name in (None, "", settings.env) else make_rollouts(load_environment(env_name))
 
         weight_sync = WeightSync(pool, store, resume_deadline=settings.resume_deadline)
+        drill = Drill.from_env(os.environ)  # inert unless a restart drill set TANDEM_DRILL_PAUSE
         curriculum = None
         if settings.curriculum:
             curriculum = Curriculum(settings.curriculum, seed=settings.seed, adaptive=settings.curriculum_adaptive,
@@ -105,15 +111,19 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                              seed=settings.seed, filter_zero_variance=settings.filter_zero_variance,
                              max_oversample=settings.max_oversample, curriculum=curriculum)
         producer = Producer(store=store, notifier=notifier, pool=pool, source=source, strategy=strategy,
-                            replay_pool=ReplayPool(redis, keys), env_name=env.name, claim_ttl=settings.claim_ttl)
+                            replay_pool=ReplayPool(redis, keys), env_name=env.name, link=link, drill=drill,
+                            claim_ttl=settings.claim_ttl)
         fleet = Fleet(pool, store, weight_sync, notifier, initial_urls=settings.inference_urls, owner=producer.owner,
                       check_interval=settings.server_check_interval, check_timeout=settings.server_check_timeout)
+        # A restarted Redis may have lost the last writes it acknowledged: write back what this
+        # process holds (batches it sealed, the version it published, the membership) first.
+        link.on_restart += [producer.after_redis_restart, fleet.restore_members]
         eval_jobs = Evals(redis, keys, notifier, rollouts_for, lessons=curriculum.lessons if curriculum else None,
                           concurrency=settings.eval_concurrency or max(1, settings.max_concurrency // 4),
                           default_examples=settings.eval_examples)
         # Observability: a per-app metrics registry, the throughput history, the dashboard's
         # recent rollouts, and the Parquet rollout log.
-        metrics = SamplerMetrics(pool=pool, rollouts=rollouts, producer=producer, store=store)
+        metrics = SamplerMetrics(pool=pool, rollouts=rollouts, producer=producer, store=store, link=link)
         throughput = ThroughputHistory(rollouts)
         recent_rollouts = RecentRollouts()
         producer.on_sealed.append(metrics.on_sealed)
@@ -125,12 +135,14 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             rollout_log = RolloutLog(
                 settings.run_dir / "rollouts", wait_for_handoff=lambda step: store.wait_served(step, 1.0))
             producer.on_sealed.append(rollout_log.on_sealed)
-        state = SamplerState(settings=settings, redis=redis, redis_url=redis_url, embedded=embedded, store=store,
+        state = SamplerState(settings=settings, redis=redis, redis_url=redis_url, embedded=embedded, link=link,
+                             drill=drill, store=store,
                              notifier=notifier, http=http, pool=pool, rollouts=rollouts, strategy=strategy,
                              producer=producer, weight_sync=weight_sync, fleet=fleet, evals=eval_jobs,
                              rollouts_for=rollouts_for,
                              source=source, curriculum=curriculum, supervisor=supervisor, metrics=metrics,
                              throughput=throughput, recent_rollouts=recent_rollouts, rollout_log=rollout_log)
+        supervisor.spawn("redis link", link.run)
         supervisor.spawn("throughput", throughput.run)
 
         supervisor.spawn("events", notifier.run)

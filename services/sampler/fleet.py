@@ -34,6 +34,7 @@ from services.sampler.inference_pool import (
     DOWN, JOINING, LEAVING, MISMATCH, OK, RESYNCING, STALE, InferencePool, Server,
 )
 from services.sampler.notify import Notifier
+from services.sampler.redis_link import is_outage
 from shared.aio import wait_event
 from services.sampler.store import Store
 from services.sampler.weight_sync import SyncStepError, WeightSync, parse_version_label
@@ -99,6 +100,11 @@ class Fleet:
         """Follow the membership in Redis: servers another replica added or removed."""
         if members is None:
             members = await self.store.members()
+        if not members and self.pool.servers:
+            # A run's membership is never empty once seeded (removed servers keep their entry):
+            # a restarted Redis lost it. Keep serving with the servers we have, and write them back.
+            await self.restore_members()
+            return
         active = {url for url, m in members.items() if not m.get("removed_at")}
         for url in sorted(active):
             if self.pool.find(url) is None:
@@ -108,6 +114,16 @@ class Fleet:
         for server in self.pool.servers:
             if server.url not in active and server.url not in self._joining and server.state != LEAVING:
                 self._start_work(server, self._drop(server, "removed from the run", self.check_timeout))
+
+    async def restore_members(self) -> str | None:
+        """After a Redis restart that lost the membership: write back the servers this replica
+        uses (a server removed before the restart is not among them, so it stays out)."""
+        urls = [s.url for s in self.pool.servers if s.state != LEAVING]
+        if not urls or await self.store.members():
+            return None
+        await self.store.seed_members(urls)
+        log.warning("the run's inference server membership was missing from Redis (restarted?); wrote back %s", urls)
+        return f"wrote back the membership ({len(urls)} server(s))"
 
     async def join(self, url: str) -> Server:
         """Bring a new server to the published version, then put it into the run and rotation."""
@@ -212,6 +228,8 @@ class Fleet:
                 results = await asyncio.gather(*(self._check(s) for s in due), return_exceptions=True)
                 for server, result in zip(due, results):
                     if isinstance(result, Exception):
+                        if is_outage(result):
+                            raise result  # the supervisor waits for Redis, then starts this loop again
                         log.warning("checking %s failed: %r", server.url, result)
             wake = min(self._next_check.values(), default=now + self.check_interval)
             await wait_event(changed, max(wake - time.monotonic(), 0.01))

@@ -12,6 +12,8 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
+
+from services.sampler.redis_link import is_outage
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
@@ -88,8 +90,15 @@ def install(app: FastAPI, max_body_bytes: int) -> None:
 
     @app.exception_handler(RedisError)
     async def redis_unavailable(request: Request, exc: RedisError) -> JSONResponse:
+        # The link (redis_link.py) knows how long it has been down; it hears of this one too.
+        link = getattr(getattr(request.state, "sampler", None), "link", None)
+        if link is not None and is_outage(exc):
+            link.report(exc)
+        since = link.problem() if link is not None else None
+        cause = since or f"{type(exc).__name__}: {exc}"
         return JSONResponse(
             status_code=503,
-            content={"detail": f"the sampler's Redis is unavailable ({type(exc).__name__}: {exc}); retry shortly"},
+            content={"detail": f"the sampler's Redis is unavailable ({cause}); nothing acknowledged is lost: "
+                               "retry shortly"},
             headers={"Retry-After": "1"},
         )

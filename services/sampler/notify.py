@@ -18,13 +18,18 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.sampler.redis_link import RedisLink, is_outage
+from shared.aio import wait_event
+
 log = logging.getLogger("tandem.sampler.notify")
 
 
 class Notifier:
-    def __init__(self, redis_url: str, channel: str):
+    def __init__(self, redis_url: str, channel: str, link: RedisLink | None = None):
         self.redis_url = redis_url
         self.channel = channel
+        # Reports an unreachable Redis (one warning per outage) and says when to try again.
+        self.link = link
         self._event = asyncio.Event()
         self.connected = asyncio.Event()
 
@@ -57,8 +62,14 @@ class Notifier:
                 raise
             except (RedisError, OSError) as exc:
                 self.connected.clear()
-                log.warning("event subscription lost (%s); reconnecting in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
+                if self.link is not None and is_outage(exc):
+                    # Redis is down: the link says so once; reconnect as soon as it is back.
+                    self.link.report(exc)
+                    log.debug("event subscription lost (%s); reconnecting when Redis is back", exc)
+                    await wait_event(self.link.up, delay)
+                else:
+                    log.warning("event subscription lost (%s); reconnecting in %.1fs", exc, delay)
+                    await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             finally:
                 try:

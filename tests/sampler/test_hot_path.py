@@ -272,7 +272,7 @@ async def test_rollout_log_reports_a_failed_write(tmp_path):
 
 def test_observability_on_sealed_counts_every_sample_and_keeps_the_last_ones(monkeypatch):
     monkeypatch.setattr(_StateCollector, "collect", lambda self: iter(()))
-    metrics = SamplerMetrics(pool=None, rollouts=None, producer=None, store=None)  # type: ignore[arg-type]
+    metrics = SamplerMetrics(pool=None, rollouts=None, producer=None, store=None, link=None)  # type: ignore[arg-type]
     recent = RecentRollouts()
     samples = [sample(i, completion_text=f"c{i}", completion_token_ids=[1] * (i % 5)) for i in range(500)]
     payload = {"step": 3, "samples": samples, "stats": {"reward_mean": 0.5, "generation_seconds": 0.1}}

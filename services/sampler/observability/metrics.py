@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.sampler.inference_pool import OK, STATES
+from services.sampler.redis_link import RedisLink, is_outage
 from shared import contract
 
 if TYPE_CHECKING:
@@ -106,6 +107,24 @@ class _StateCollector(Collector):
                                 value=len(producer.in_progress))
         yield GaugeMetricFamily("tandem_sampler_next_step", "next step the producer will start",
                                 value=producer.next_step)
+        yield GaugeMetricFamily("tandem_sampler_steps_missing",
+                                "unsealed steps behind the frontier that nobody builds and no server can build yet "
+                                "(normally 0; healed as soon as one can)", value=len(producer.missing))
+        healed = CounterMetricFamily("tandem_sampler_steps_healed",
+                                     "steps and versions the sampler repaired (rebuilt, taken_over, restored, "
+                                     "version_restored; see /status steps.healed)", labels=["how"])
+        for how, count in sorted(producer.heals.counts.items()):
+            healed.add_metric([how], count)
+        yield healed
+        yield CounterMetricFamily("tandem_sampler_builds_dropped",
+                                  "batch builds stopped or dropped because the run had moved past their step",
+                                  value=producer.dropped)
+        link = m.link
+        yield GaugeMetricFamily("tandem_sampler_redis_up", "1 while Redis answers", value=1 if link.reachable else 0)
+        yield CounterMetricFamily("tandem_sampler_redis_outages", "times Redis became unreachable",
+                                  value=link.outages)
+        yield CounterMetricFamily("tandem_sampler_redis_restarts",
+                                  "times Redis came back as a new process (its run id changed)", value=link.restarts)
         cached = m.cached
         if "published_version" in cached:
             yield GaugeMetricFamily("tandem_sampler_published_version", "latest published weights version",
@@ -117,8 +136,9 @@ class _StateCollector(Collector):
 class SamplerMetrics:
     """This app's metrics registry: the event metrics, and the collector over the live state."""
 
-    def __init__(self, *, pool: InferencePool, rollouts: Rollouts, producer: Producer, store: Store):
-        self.pool, self.rollouts, self.producer, self.store = pool, rollouts, producer, store
+    def __init__(self, *, pool: InferencePool, rollouts: Rollouts, producer: Producer, store: Store,
+                 link: RedisLink):
+        self.pool, self.rollouts, self.producer, self.store, self.link = pool, rollouts, producer, store, link
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter("tandem_sampler_http_requests", "HTTP requests served",
@@ -182,8 +202,14 @@ class SamplerMetrics:
     # --- scrape --------------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        meta = await self.store.meta()
-        sealed = await self.store.sealed_steps()
+        try:
+            meta = await self.store.meta()
+            sealed = await self.store.sealed_steps()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            self.link.report(exc)  # scrape anyway: tandem_sampler_redis_up says why these are stale
+            return
         self.cached = {"published_version": meta["version"],
                        "batches_ready": len([s for s in sealed if s >= meta["version"]])}
 

@@ -68,13 +68,15 @@ async def recent_evals(evals: Evals, count: int = 50) -> list[dict[str, Any]]:
     return out
 
 
-async def extend_status(state: SamplerState, body: dict[str, Any], recent: list[dict[str, Any]]) -> None:
-    """Add the observability facts to a /status body (existing keys are kept as they are)."""
-    published = await state.store.version_publish_times(50)
+async def extend_status(state: SamplerState, body: dict[str, Any], recent: list[dict[str, Any]],
+                        redis_up: bool = True) -> None:
+    """Add the observability facts to a /status body (existing keys are kept as they are).
+    With `redis_up` False (an outage) the facts that live in Redis are left empty."""
+    published = await state.store.version_publish_times(50) if redis_up else {}
     body["versions"]["published_at"] = published.get(body["versions"]["published"])
     body["staleness"]["histogram"] = staleness_histogram(recent)
     body["throughput"].update(state.throughput.recent_rates())
-    evals = [e for e in await recent_evals(state.evals, 10) if e["status"] == "done"]
+    evals = [e for e in await recent_evals(state.evals, 10) if e["status"] == "done"] if redis_up else []
     last = recent[-1] if recent else None
     body["rewards"] = {
         "last_batch_mean": last["reward_mean"] if last else None,

@@ -2,7 +2,8 @@
 
 200 the batch (the same bytes on every read until trimmed), 204 when `timeout` passes
 first, 409 when the published version is too old for the batch ever to be generated,
-410 when the batch was trimmed, 422 for malformed parameters.
+410 when the batch was trimmed, or was never sealed and the published version is past it,
+422 for malformed parameters, 503 while Redis is unreachable or generation is stuck.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def rank_share(samples: list[dict[str, Any]], rank: int, world_size: int) -> lis
                    "with typed arrays with `Accept: application/vnd.tandem+msgpack` (see shared/codec.py)"},
         204: {"description": "not sealed within `timeout` seconds: ask again"},
         409: {"description": "the published weights version is too old for this batch"},
-        410: {"description": "the batch was trimmed"},
+        410: {"description": "the batch was trimmed, or never sealed and the published version is past it"},
     },
 )
 async def get_batch(
@@ -87,7 +88,24 @@ async def get_batch(
                     "published_version": meta["version"],
                 },
             )
-        stalled = state.producer.stall(step, state.settings.generation_deadline)
+        producer = state.producer
+        if step < meta["version"] and not producer.building(step) and await store.claim_owner(step) is None:
+            # Nobody builds it, and nobody will: a published version V says batches below V were
+            # consumed, and a batch built now would hold samples from weights newer than its step.
+            raise HTTPException(
+                status.HTTP_410_GONE,
+                detail={
+                    "message": f"batch {step} was never sealed and will not be: version {meta['version']} is "
+                    "published, which says every batch below it was consumed (a trainer publishes version N+1 "
+                    "only after reading batch N; docs/sampler-api.md, 'Versions and batches'). Ask for batch "
+                    f"{meta['version']} or later, or publish each version only after reading the batch before it",
+                    "reason": "superseded",
+                    "published_version": meta["version"],
+                },
+            )
+        if not producer.building(step) and step not in producer.foreign:
+            producer.wake()  # the plan comes from Redis: a step nobody builds is started, not waited for
+        stalled = producer.stall(step, state.settings.generation_deadline)
         if stalled:
             raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail=stalled, headers={"Retry-After": "5"})
         if state.closing.is_set():

@@ -9,21 +9,41 @@ from fastapi import APIRouter
 
 from services.sampler.deps import State
 from services.sampler.observability.views import extend_status
+from services.sampler.redis_link import is_outage
+from services.sampler.state import SamplerState
 from shared.contract import SamplerConfig
 
 router = APIRouter(tags=["status"])
 
 
+async def _from_redis(state: SamplerState) -> dict[str, Any] | None:
+    """What /status reads from Redis; None while Redis is unreachable (the body says so)."""
+    try:
+        return {
+            "meta": await state.store.meta(),
+            "sealed": await state.store.sealed_steps(),
+            "recent": await state.store.recent_batch_stats(50),
+            "trainer": (await state.store.recent_trainer_metrics(1) or [None])[-1],
+        }
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        state.link.report(exc)
+        return None
+
+
 @router.get("/status")
 async def get_status(state: State) -> dict[str, Any]:
     s = state.settings
-    meta = await state.store.meta()
-    sealed = await state.store.sealed_steps()
-    recent = await state.store.recent_batch_stats(50)
+    stored = await _from_redis(state)
+    # During a Redis outage the answer still comes, from memory: what lives only in Redis is null.
+    meta = stored["meta"] if stored else {"version": None, "checkpoint_path": None, "trimmed_below": None}
+    sealed = stored["sealed"] if stored else None
+    recent = stored["recent"] if stored else []
     pool = state.pool
     uptime = time.time() - state.started_at
     last = recent[-1] if recent else None
-    ready = [step for step in sealed if step >= meta["version"]]
+    ready = [step for step in sealed if step >= meta["version"]] if stored else []
     sampling = state.rollouts.request_sampling
     body = {
         "config": SamplerConfig(
@@ -41,7 +61,7 @@ async def get_status(state: State) -> dict[str, Any]:
             "trimmed_below": meta["trimmed_below"],
         },
         "queues": {
-            "batches_ready": len(ready),
+            "batches_ready": len(ready) if stored else None,
             "batches_in_progress": len(state.producer.in_progress),
             "in_flight_requests": pool.in_flight,
         },
@@ -69,10 +89,10 @@ async def get_status(state: State) -> dict[str, Any]:
         "nonfinite": state.rollouts.nonfinite.snapshot(),
         "curriculum": state.curriculum.snapshot(state.producer.next_step) if state.curriculum else None,
         "inference_servers": [srv.snapshot() for srv in pool.servers],
-        "trainer": (await state.store.recent_trainer_metrics(1) or [None])[-1],
+        "trainer": stored["trainer"] if stored else None,
         "recent_batches": recent[-20:],
-        "redis": {"url": state.redis_url.split("@")[-1], "embedded": state.embedded is not None},
+        "redis": {**state.link.snapshot(), "embedded": state.embedded is not None},
         "uptime_seconds": uptime,
     }
-    await extend_status(state, body, recent)
+    await extend_status(state, body, recent, redis_up=stored is not None)
     return body

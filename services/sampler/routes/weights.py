@@ -74,7 +74,9 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
                 raise HTTPException(code, detail=f"no inference server loaded {body.checkpoint_path!r}: {errors}")
         elif body.version > published:
             await sync.record_pushed(body.version)
+        await state.drill.point("publishing", body.version)
         outcome, previous = await state.store.publish_version(body.version, body.checkpoint_path, body.probe)
+        await state.drill.point("published", body.version)
         if outcome == 0:
             raise HTTPException(
                 status.HTTP_409_CONFLICT,
