@@ -17,6 +17,9 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from fastapi.staticfiles import StaticFiles
 
 from services.sampler import guards
@@ -62,7 +65,11 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         redis_url = embedded.url
     # No command here blocks server-side, so a plain socket timeout is safe; the
     # long-lived subscription in Notifier has its own connection without one.
-    redis = aioredis.from_url(redis_url, socket_timeout=15, socket_connect_timeout=5, health_check_interval=15)
+    # One retry on a dropped connection: after a Redis restart every pooled connection is dead,
+    # and each would otherwise fail one command. Every write here is idempotent (Lua SET NX,
+    # compare-and-set, HSET), so sending one again is safe.
+    redis = aioredis.from_url(redis_url, socket_timeout=15, socket_connect_timeout=5, health_check_interval=15,
+                              retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
     # Room for every request in flight plus the weight-sync and health-check calls (servers
     # can join at run time, hence the margin).
     http = HttpClient(max_connections=settings.max_concurrency + 2 * len(settings.inference_urls) + 64,

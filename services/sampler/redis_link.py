@@ -126,14 +126,18 @@ class RedisLink:
             self._poke.clear()
             try:
                 run_id = await self._run_id()
+                restart = None
                 if self.run_id is not None and run_id != self.run_id:
-                    await self._restarted(run_id)
+                    restart = await self._restarted(run_id)
                 self.run_id = run_id
                 if not self.up.is_set():
-                    log.warning("Redis at %s answers again after %.1fs", self.url, time.time() - (self.down_since or 0))
+                    log.warning("Redis at %s answers again after %.1fs%s", self.url,
+                                time.time() - (self.down_since or 0), f": {restart}" if restart else "")
                     self.down_since = None
                     self.last_error = None
                     self.up.set()
+                elif restart:
+                    log.warning("Redis at %s: %s", self.url, restart)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage (or a failing repair) is a state here
@@ -146,8 +150,9 @@ class RedisLink:
             except TimeoutError:
                 pass
 
-    async def _restarted(self, run_id: str) -> None:
-        """A new redis-server process: repair what it may have lost before anyone is told it is up."""
+    async def _restarted(self, run_id: str) -> str:
+        """A new redis-server process: repair what it may have lost before anyone is told it is
+        up. Returns what happened, for the log."""
         repaired = []
         for callback in self.on_restart:
             summary = await callback()  # an outage here propagates: retried at the next look
@@ -156,8 +161,8 @@ class RedisLink:
         self.restarts += 1
         self.last_restart = {"at": time.time(), "previous_run_id": self.run_id, "run_id": run_id,
                              "repaired": repaired}
-        log.warning("Redis at %s restarted (run id %s -> %s): %s", self.url, (self.run_id or "?")[:8], run_id[:8],
-                    "; ".join(repaired) or "nothing to repair")
+        return (f"it is a new process (run id {(self.run_id or '?')[:8]} -> {run_id[:8]}); "
+                + ("; ".join(repaired) if repaired else "it had lost nothing this sampler acknowledged"))
 
     # --- reporting -------------------------------------------------------------------------
 

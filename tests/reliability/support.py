@@ -23,8 +23,7 @@ from typing import Any
 import httpx
 import redis as redis_py
 
-from services.sampler.redis_server import redis_binary
-from tests.support.servers import ServiceProcess, free_port
+from tests.support.servers import ServiceProcess, free_port, start_redis
 
 MSGPACK = {"Accept": "application/msgpack"}
 
@@ -99,28 +98,14 @@ def stop_process(proc: ServiceProcess) -> None:
     proc._log.close()
 
 
-def start_redis_at(data_dir: Path, port: int | None = None, cleanup: Cleanup | None = None
-                   ) -> tuple[ServiceProcess, str]:
-    """A private redis-server with AOF (fsync every second) on `port` (or a free one)."""
-    port = port or free_port()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    proc = ServiceProcess(
-        [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-         "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
-        name="redis-server", log_path=data_dir / "redis.log",
-    )
+def start_redis_at(data_dir: Path, port: int | None = None, cleanup: Cleanup | None = None,
+                   appendfsync: str = "everysec") -> tuple[ServiceProcess, str]:
+    """A private redis-server with AOF (`appendfsync` everysec unless told) on `port` (or a free
+    one), stopped by `cleanup`."""
+    proc, url = start_redis(data_dir, port=port, appendfsync=appendfsync)
     if cleanup is not None:
         cleanup.add(lambda: stop_process(proc))
-
-    def up() -> bool:
-        assert proc.popen.poll() is None, f"redis-server exited:\n{proc.log_tail()}"
-        try:
-            return bool(redis_py.Redis(port=port, socket_timeout=1).ping())
-        except redis_py.RedisError:
-            return False
-
-    wait_for(up, 20, f"redis-server on port {port}", detail=proc.log_tail)
-    return proc, f"redis://127.0.0.1:{port}/0"
+    return proc, url
 
 
 def start_standin_process(log_dir: Path, cleanup: Cleanup, token_latency: float = 0.0,
@@ -178,6 +163,7 @@ class Trainer(threading.Thread):
         self.checkpoints, self.retry_for, self.first_step = checkpoints, retry_for, first_step
         self.batches: list[dict[str, Any]] = []
         self.published: list[int] = []
+        self.waits: list[float] = []  # seconds each batch took to arrive
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -198,7 +184,9 @@ class Trainer(threading.Thread):
 
         async with SamplerClient(self.url, poll_timeout=5, retry_for=self.retry_for, api_token=self.api_token) as client:
             for step in range(self.first_step, self.first_step + self.steps):
+                asked = time.monotonic()
                 self.batches.append(await client.get_batch_raw(step, timeout=90))
+                self.waits.append(time.monotonic() - asked)
                 await asyncio.sleep(self.train_seconds)
                 await client.publish_weights(step + 1, f"/ckpt/step-{step + 1}" if self.checkpoints else None)
                 self.published.append(step + 1)

@@ -62,3 +62,23 @@ def test_graceful_stop_and_restart_replays_the_aof(run_dir, standin):
     finally:
         sampler.terminate()
         kill_embedded_redis(run_dir)
+
+
+def test_the_embedded_redis_fsyncs_every_write_and_an_everysec_one_is_named(run_dir, standin, make_sampler):
+    """Acknowledged means durable: the embedded Redis runs with appendfsync always; an external
+    Redis that does not is accepted with a warning naming the setting (in /status too)."""
+    port = free_port()
+    sampler = start_sampler_process(run_dir, port=port, inference_urls=[standin.url],
+                                    env="tests.support.envs:CountEnv", prompts_per_step=2, num_generations=2)
+    try:
+        redis = httpx.get(f"http://127.0.0.1:{port}/status", timeout=30).json()["redis"]
+        assert (redis["embedded"], redis["appendonly"], redis["appendfsync"], redis["durable"]) == (
+            True, "yes", "always", True), redis
+        assert redis["warning"] is None
+    finally:
+        sampler.terminate()
+        kill_embedded_redis(run_dir)
+    external = make_sampler()  # the test session's Redis: appendfsync everysec
+    redis = httpx.get(f"{external.url}/status", timeout=30).json()["redis"]
+    assert redis["durable"] is False and redis["appendfsync"] == "everysec"
+    assert "--appendfsync always" in redis["warning"] and "acknowledged" in redis["warning"]

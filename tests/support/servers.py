@@ -124,19 +124,20 @@ class ServiceProcess:
         return self.popen.returncode
 
 
-def start_redis(data_dir: Path) -> tuple[ServiceProcess, str]:
-    """A private redis-server with AOF on, on a free port."""
+def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "everysec",
+                appendonly: bool = True) -> tuple[ServiceProcess, str]:
+    """A private redis-server with AOF on (unless `appendonly` is False), on `port` or a free one."""
+    import redis
+
     from services.sampler.redis_server import redis_binary
 
-    port = free_port()
+    port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     proc = ServiceProcess(
         [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-         "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
+         "--appendonly", "yes" if appendonly else "no", "--appendfsync", appendfsync, "--save", ""],
         name="redis-server", log_path=data_dir / "redis.log",
     )
-    import redis
-
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -173,12 +174,13 @@ def sampler_argv(port: int, **settings: Any) -> list[str]:
 SAMPLER_RUN_DIRS: set[Path] = set()
 
 
-def start_sampler_process(run_dir: Path, *, port: int | None = None, **settings: Any) -> ServiceProcess:
+def start_sampler_process(run_dir: Path, *, port: int | None = None, process_env: dict[str, str] | None = None,
+                          **settings: Any) -> ServiceProcess:
     port = port or free_port()
     SAMPLER_RUN_DIRS.add(Path(run_dir))
     proc = ServiceProcess(
         sampler_argv(port, run_dir=run_dir, **settings), name="sampler",
-        log_path=run_dir / "sampler.log", ready_url=f"http://127.0.0.1:{port}/health",
+        log_path=run_dir / "sampler.log", ready_url=f"http://127.0.0.1:{port}/health", env=process_env,
     )
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     return proc.wait_ready()

@@ -1,0 +1,127 @@
+"""The producer's plan comes from Redis: lost steps are rebuilt or written back, and reported;
+a version published ahead of its batch never puts negative staleness in a batch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import redis as redis_py
+
+from services.sampler.keys import Keys
+from services.sampler.store import Store
+from tests.support.driver import drive
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _status(url: str) -> dict:
+    return httpx.get(f"{url}/status", timeout=30).json()
+
+
+def _lose(redis_url: str, namespace: str, step: int) -> None:
+    """Drop a sealed batch the way a Redis that lost its last writes would: key and index entry."""
+    keys = Keys(namespace)
+    client = redis_py.Redis.from_url(redis_url)
+    try:
+        assert client.delete(keys.batch(step)) == 1 and client.zrem(keys.sealed, step) == 1
+    finally:
+        client.close()
+
+
+async def test_a_step_nobody_holds_is_rebuilt_and_reported(make_sampler, redis_url, namespace):
+    first = make_sampler(max_staleness=1)
+    await drive(first.url, 2)  # version 2: batches 2 and 3 get built
+    _wait(lambda: {2, 3} <= set(_status(first.url)["steps"]["sealed_steps"]), 30, "batches 2 and 3")
+    first.stop()
+    _lose(redis_url, namespace, 2)  # batch 3 is still there: 2 is a gap no process holds
+
+    second = make_sampler(max_staleness=1)
+    status = _wait(lambda: (s := _status(second.url))["steps"]["healed"]["counts"]["rebuilt"] and s, 30,
+                   "the lost step to be rebuilt")
+    assert [h["step"] for h in status["steps"]["healed"]["recent"] if h["how"] == "rebuilt"] == [2]
+    batch = httpx.get(f"{second.url}/batch", params={"step": 2, "timeout": 20}, timeout=30)
+    assert batch.status_code == 200 and batch.json()["step"] == 2
+    assert {s["policy_version"] for s in batch.json()["samples"]} <= {1, 2}
+    assert _status(second.url)["steps"]["missing"] == []
+    metrics = httpx.get(f"{second.url}/metrics").text
+    assert 'tandem_sampler_steps_healed_total{how="rebuilt"} 1.0' in metrics
+
+
+async def test_a_lost_seal_this_process_holds_is_written_back_byte_for_byte(make_sampler, redis_url, namespace):
+    sampler = make_sampler(max_staleness=1)
+    await drive(sampler.url, 1)
+    served = httpx.get(f"{sampler.url}/batch", params={"step": 1, "timeout": 20}, timeout=30)
+    assert served.status_code == 200
+    stored = redis_py.Redis.from_url(redis_url).get(Keys(namespace).batch(1))
+    _lose(redis_url, namespace, 1)
+    # The next pass (at once: GET /batch wakes the planner for a step nobody builds) writes it back.
+    httpx.get(f"{sampler.url}/batch", params={"step": 1, "timeout": 0}, timeout=30)
+    _wait(lambda: redis_py.Redis.from_url(redis_url).get(Keys(namespace).batch(1)) == stored, 10,
+          "batch 1 to be written back")
+    status = _status(sampler.url)
+    assert status["steps"]["healed"]["counts"]["restored"] == 1
+    assert status["steps"]["healed"]["counts"]["rebuilt"] == 0
+    assert 1 in status["steps"]["sealed_steps"]
+    assert httpx.get(f"{sampler.url}/batch", params={"step": 1}, timeout=30).content == served.content
+
+
+async def test_reverify_writes_back_what_a_restarted_redis_lost(redis_url, namespace):
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    keys = Keys(namespace)
+    store = Store(client, keys)
+    try:
+        assert await store.seal(4, b"batch four") == 1
+        assert (await store.publish_version(5, "/ckpt/5"))[0] == 2
+        assert await store.trim_below(3) == 0
+        assert await store.reverify() == ([], None)  # nothing lost: nothing written
+        await client.delete(keys.batch(4), keys.sealed, keys.meta)  # a Redis that came back empty
+        restored, republished = await store.reverify()
+        assert restored == [4] and republished == 5
+        assert await client.get(keys.batch(4)) == b"batch four"
+        meta = await store.meta()
+        assert (meta["version"], meta["checkpoint_path"], meta["trimmed_below"]) == (5, "/ckpt/5", 3)
+    finally:
+        await client.aclose()
+
+
+async def test_a_version_published_before_its_batch_was_read_never_gives_negative_staleness(make_sampler, standin):
+    """With the server paused, batches 0 and 1 are mid-generation when version 2 is published (a
+    trainer that publishes before reading). Their tokens then come from version 2: such a batch
+    is dropped, never sealed with negative staleness, and a GET for it says why (410)."""
+    httpx.post(f"{standin.url}/pause")
+    sampler = make_sampler(max_staleness=1)
+    url = sampler.url
+    _wait(lambda: {0, 1} <= {p["step"] for p in _status(url)["steps"]["in_progress"]}, 20, "batches 0 and 1 to start")
+    assert httpx.post(f"{url}/weights_version", json={"version": 2}).status_code == 200
+    httpx.post(f"{standin.url}/resume")
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        for step in (2, 3):
+            response = await http.get("/batch", params={"step": step, "timeout": 20})
+            assert response.status_code == 200
+            assert {s["policy_version"] for s in response.json()["samples"]} <= {step - 1, step}
+        await asyncio.sleep(0.5)
+        gone = 0
+        for step in (0, 1):
+            response = await http.get("/batch", params={"step": step, "timeout": 5})
+            if response.status_code == 200:
+                versions = {s["policy_version"] for s in response.json()["samples"]}
+                assert max(versions) <= step, f"batch {step} holds samples from versions {versions}"
+            else:
+                assert response.status_code == 410, response.text
+                detail = response.json()["detail"]
+                assert detail["reason"] == "superseded" and "version 2 is published" in detail["message"]
+                gone += 1
+    assert gone >= 1, "both early batches sealed: the drill never put a newer version into a batch"
+    assert _status(url)["steps"]["dropped_builds"] == gone
