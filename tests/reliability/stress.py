@@ -1,16 +1,23 @@
 """`make stress`: the restart drills, many times in a row, outside `make test`.
 
-    make stress                                   # Redis kill -9 drill, 30 runs
-    make stress ARGS="--drill embedded --runs 50"
-    .venv/bin/python -m tests.reliability.stress --drill external --runs 100
+    make stress                                   # Redis killed at varied moments, 30 runs, 2 CPU hogs
+    make stress ARGS="--drill external --runs 50"
+    .venv/bin/python -m tests.reliability.stress --drill moments --runs 100 --load 0
 
-Each run is the whole drill of tests/reliability/test_redis_crash.py: a trainer on
-`SamplerClient`, Redis killed -9 after its third step, restarted after an outage that cycles
-through 0.05-6 s (external; the embedded Redis is restarted by the sampler's watchdog), and
-every batch and version checked afterwards. A run that stalls fails
-with the sampler's steps and versions. The report (runs, failures, seconds from Redis's
-restart to the trainer's last step) is printed and written to bench/results/stress-<drill>.md;
-a failed run's files are kept and named.
+Drills:
+* `moments` (tests/reliability/test_redis_moments.py): Redis killed -9 at a chosen moment of
+  step 3 (claim taken, batch built, seal acknowledged, version being written, version written),
+  durable (`appendfsync always`) or lossy (AOF cut back, as an `everysec` Redis loses its last
+  writes), the sampler let on into the outage or held until Redis is back; the run number picks
+  the moment, the variant and an outage of 0.05-6 s. Each run checks no skipped step, no changed
+  batch, no step waiting over 60 s on the sampler, the expected heals and no traceback.
+* `external` / `embedded` (tests/reliability/test_redis_crash.py): Redis killed -9 after the
+  trainer's third step, restarted by the drill (external) or the sampler's watchdog (embedded).
+
+`--load N` runs N busy processes (one core each) for the whole stress run. The report (runs,
+failures, seconds from Redis's restart to the trainer's last step, the longest a step waited
+on the sampler) is printed and written to bench/results/stress-<drill>.md; a failed run's files are kept
+and named.
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from tests.reliability.support import Cleanup
 
@@ -31,68 +40,125 @@ OUTAGES = (0.05, 0.3, 1.0, 1.5, 3.0, 6.0)
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
-def _run_one(drill: str, tmp: Path, outage: float) -> float:
-    from tests.reliability import test_redis_crash as drills
+def moment_variants() -> list[tuple[str, bool, bool | None]]:
+    """(moment, lossy, release_during_outage) in the order runs take them."""
+    from tests.reliability.test_redis_moments import LOSSY, MOMENTS
 
+    return ([(m, False, True) for m in MOMENTS] + [(m, True, False) for m in LOSSY]
+            + [(m, False, False) for m in MOMENTS])
+
+
+def describe(drill: str, i: int) -> str:
+    outage = OUTAGES[i % len(OUTAGES)]
+    if drill != "moments":
+        return f"outage {outage:.2f}s"
+    moment, lossy, during = moment_variants()[i % len(moment_variants())]
+    return (f"{moment}, {'lossy' if lossy else 'durable'}, released {'during' if during else 'after'} the outage, "
+            f"outage {outage:.2f}s")
+
+
+def _run_one(drill: str, tmp: Path, i: int) -> dict[str, Any]:
+    from tests.reliability import test_redis_crash as crash
+    from tests.reliability import test_redis_moments as moments
+
+    outage = OUTAGES[i % len(OUTAGES)]
     cleanup = Cleanup()
     try:
+        if drill == "moments":
+            moment, lossy, during = moment_variants()[i % len(moment_variants())]
+            return moments.moment_drill(tmp, cleanup, moment, lossy=lossy, outage=outage,
+                                        release_during_outage=during)
         if drill == "external":
-            return drills.external_redis_drill(tmp, cleanup, outage)
+            return {"recovered": crash.external_redis_drill(tmp, cleanup, outage)}
         if drill == "embedded":
-            return drills.embedded_redis_drill(tmp, cleanup)
+            return {"recovered": crash.embedded_redis_drill(tmp, cleanup)}
         raise ValueError(f"unknown drill {drill!r}")
     finally:
         cleanup.run()
 
 
+class Load:
+    """`count` processes spinning on a core each, for the stress run's duration."""
+
+    def __init__(self, count: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make stress", description=__doc__.splitlines()[0])
-    parser.add_argument("--drill", choices=["external", "embedded"], default="external",
-                        help="external: a Redis the drill restarts; embedded: the sampler's watchdog restarts it")
+    parser.add_argument("--drill", choices=["moments", "external", "embedded"], default="moments",
+                        help="moments: Redis killed at chosen moments (default); external: a Redis the drill "
+                             "restarts; embedded: the sampler's watchdog restarts it")
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--load", type=int, default=2, help="busy processes running meanwhile (default 2)")
     parser.add_argument("--keep-going", action="store_true", help="do not stop at the first failure")
     args = parser.parse_args(argv)
 
-    recoveries: list[float] = []
+    results: list[dict[str, Any]] = []
     failures: list[str] = []
     started = time.time()
-    for i in range(args.runs):
-        outage = OUTAGES[i % len(OUTAGES)]
-        tmp = Path(tempfile.mkdtemp(prefix=f"tandem-stress-{args.drill}-{i}-"))
-        t0 = time.monotonic()
-        try:
-            recovered = _run_one(args.drill, tmp, outage)
-        except Exception:  # noqa: BLE001 - a failed run is reported, with its files kept
-            failures.append(f"run {i} (outage {outage}s): files in {tmp}\n{traceback.format_exc()}")
-            print(f"run {i + 1}/{args.runs}: outage {outage:.2f}s FAILED after {time.monotonic() - t0:.0f}s "
-                  f"(files kept in {tmp})", flush=True)
-            if not args.keep_going:
-                break
-            continue
-        recoveries.append(recovered)
-        shutil.rmtree(tmp, ignore_errors=True)
-        print(f"run {i + 1}/{args.runs}: outage {outage:.2f}s ok; trainer done {recovered:.1f}s after the restart "
-              f"({time.monotonic() - t0:.0f}s in all)", flush=True)
+    load = Load(args.load)
+    try:
+        for i in range(args.runs):
+            what = describe(args.drill, i)
+            tmp = Path(tempfile.mkdtemp(prefix=f"tandem-stress-{args.drill}-{i}-"))
+            t0 = time.monotonic()
+            try:
+                result = _run_one(args.drill, tmp, i)
+            except Exception:  # noqa: BLE001 - a failed run is reported, with its files kept
+                failures.append(f"run {i} ({what}): files in {tmp}\n{traceback.format_exc()}")
+                print(f"run {i + 1}/{args.runs}: {what} FAILED after {time.monotonic() - t0:.0f}s "
+                      f"(files kept in {tmp})", flush=True)
+                if not args.keep_going:
+                    break
+                continue
+            results.append(result)
+            shutil.rmtree(tmp, ignore_errors=True)
+            waited = f", longest wait {result['max_wait']:.1f}s" if "max_wait" in result else ""
+            print(f"run {i + 1}/{args.runs}: {what} ok; trainer done {result['recovered']:.1f}s after the restart"
+                  f"{waited} ({time.monotonic() - t0:.0f}s in all)", flush=True)
+    finally:
+        load.stop()
 
-    report = _report(args.drill, args.runs, recoveries, failures, time.time() - started)
+    report = _report(args, results, failures, time.time() - started)
     print(report)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"stress-{args.drill}.md").write_text(report)
     (RESULTS / f"stress-{args.drill}.json").write_text(json.dumps(
-        {"drill": args.drill, "runs_asked": args.runs, "passed": len(recoveries), "failed": len(failures),
-         "recovery_seconds": recoveries, "failures": failures}, indent=1) + "\n")
-    return 1 if failures or len(recoveries) < args.runs else 0
+        {"drill": args.drill, "runs_asked": args.runs, "load": args.load, "passed": len(results),
+         "failed": len(failures), "results": results, "failures": failures}, indent=1) + "\n")
+    return 1 if failures or len(results) < args.runs else 0
 
 
-def _report(drill: str, runs: int, recoveries: list[float], failures: list[str], seconds: float) -> str:
-    lines = [f"# Stress: Redis kill -9 drill ({drill})", "",
-             f"Command: `make stress ARGS=\"--drill {drill} --runs {runs}\"`", "",
-             f"- runs passed in a row: **{len(recoveries)}** of {runs} asked; failed: {len(failures)}",
-             f"- wall time: {seconds:.0f} s"]
+def _report(args: argparse.Namespace, results: list[dict[str, Any]], failures: list[str], seconds: float) -> str:
+    title = {"moments": "Redis killed -9 at chosen moments", "external": "Redis kill -9 drill (external)",
+             "embedded": "Redis kill -9 drill (embedded)"}[args.drill]
+    lines = [f"# Stress: {title}", "",
+             f"Command: `make stress ARGS=\"--drill {args.drill} --runs {args.runs} --load {args.load}\"`", "",
+             f"- runs passed in a row: **{len(results)}** of {args.runs} asked; failed: {len(failures)}",
+             f"- load: {args.load} busy process(es) beside the drill; wall time: {seconds:.0f} s"]
+    recoveries = [r["recovered"] for r in results]
     if recoveries:
         lines.append(f"- trainer's last step after Redis's restart: median {statistics.median(recoveries):.1f} s, "
-                     f"max {max(recoveries):.1f} s (the drill has 10 steps of 0.4 s training each; "
-                     f"outages cycle through {', '.join(str(o) for o in OUTAGES)} s)")
+                     f"max {max(recoveries):.1f} s (outages cycle through {', '.join(str(o) for o in OUTAGES)} s)")
+    waits = [r["max_wait"] for r in results if "max_wait" in r]
+    if waits:
+        heals: dict[str, int] = {}
+        for r in results:
+            for how, n in r.get("heals", {}).items():
+                heals[how] = heals.get(how, 0) + n
+        lines.append(f"- longest a step waited on the sampler (fetch + publish) in any run: {max(waits):.1f} s "
+                     f"(limit 60 s); skipped steps: 0, "
+                     f"changed batches: 0 (each run fails otherwise)")
+        lines.append("- heals over all runs: " + ", ".join(f"{how} {n}" for how, n in sorted(heals.items())))
+        variants = [f"{m} ({'lossy' if lossy else 'durable'}, released {'during' if during else 'after'} the outage)"
+                    for m, lossy, during in moment_variants()]
+        lines.append(f"- variants, cycled in this order: {'; '.join(variants)}")
     for failure in failures:
         lines += ["", "```", failure.strip(), "```"]
     return "\n".join(lines) + "\n"

@@ -163,7 +163,7 @@ class Trainer(threading.Thread):
         self.checkpoints, self.retry_for, self.first_step = checkpoints, retry_for, first_step
         self.batches: list[dict[str, Any]] = []
         self.published: list[int] = []
-        self.waits: list[float] = []  # seconds each batch took to arrive
+        self.waits: list[float] = []  # per step: seconds blocked on the sampler (fetch + publish)
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -186,9 +186,11 @@ class Trainer(threading.Thread):
             for step in range(self.first_step, self.first_step + self.steps):
                 asked = time.monotonic()
                 self.batches.append(await client.get_batch_raw(step, timeout=90))
-                self.waits.append(time.monotonic() - asked)
+                waited = time.monotonic() - asked
                 await asyncio.sleep(self.train_seconds)
+                asked = time.monotonic()
                 await client.publish_weights(step + 1, f"/ckpt/step-{step + 1}" if self.checkpoints else None)
+                self.waits.append(waited + time.monotonic() - asked)
                 self.published.append(step + 1)
 
 
