@@ -57,8 +57,8 @@ def median(values: list[float]) -> float:
 
 
 @contextmanager
-def redis_server(tmp: Path) -> Iterator[str]:
-    proc, url = start_redis(tmp / "redis")
+def redis_server(tmp: Path, appendfsync: str = "everysec") -> Iterator[str]:
+    proc, url = start_redis(tmp / f"redis-{appendfsync}", appendfsync=appendfsync)
     try:
         yield url
     finally:

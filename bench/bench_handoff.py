@@ -183,30 +183,43 @@ def _row(size: int, samples: int, stored_bytes: int, encoding: str, runs: list[d
 
 
 def run(results_dir: Path, *, sizes: tuple[int, ...] = SIZES, reps: dict[int, int] | None = None,
-        park_s: float = 0.05, encodings: tuple[str, ...] = ENCODINGS, **sampler_settings: Any) -> dict:
+        park_s: float = 0.05, encodings: tuple[str, ...] = ENCODINGS,
+        everysec_sizes: tuple[int, ...] = (64 * KIB, 1 * MIB, 8 * MIB), **sampler_settings: Any) -> dict:
+    """Every size and encoding on a Redis that fsyncs every write (`appendfsync always`: the
+    embedded Redis's and compose's setting); the arrays form at `everysec_sizes` also on one
+    that fsyncs once a second, to show what durability costs."""
     reps = reps or {64 * KIB: 40, 1 * MIB: 40, 8 * MIB: 10, 64 * MIB: 5}
     rows = []
+    plan = [("always", size, encodings) for size in sizes] + [("everysec", size, ("arrays",)) for size in everysec_sizes]
     with tempfile.TemporaryDirectory(prefix="tandem-bench-handoff-") as tmp_name:
         tmp = Path(tmp_name)
-        with redis_server(tmp) as redis_url, standin_process(tmp, 0.0) as standin:
-            for size in sizes:
-                prompts = prompts_for(size)
-                namespace = "h" + uuid.uuid4().hex[:10]
-                with sampler_process(tmp / f"run-{size}", redis_url=redis_url, namespace=namespace,
-                                     inference_urls=[standin.url], strategy="bench.handoff_strategy:SyntheticBatches",
-                                     prompts_per_step=prompts, num_generations=GROUP, max_staleness=1,
-                                     keep_batches=1, max_poll_timeout=60, **sampler_settings) as sampler:
-                    measured, stored = asyncio.run(_measure(sampler.url, redis_url, namespace, encodings,
-                                                            reps.get(size, 5), park_s))
-                rows += [_row(size, prompts * GROUP, stored, m["encoding"], m["runs"]) for m in measured]
+        with standin_process(tmp, 0.0) as standin:
+            for fsync in ("always", "everysec"):
+                todo = [(size, encs) for mode, size, encs in plan if mode == fsync]
+                if not todo:
+                    continue
+                with redis_server(tmp, appendfsync=fsync) as redis_url:
+                    for size, encs in todo:
+                        prompts = prompts_for(size)
+                        namespace = "h" + uuid.uuid4().hex[:10]
+                        with sampler_process(tmp / f"run-{fsync}-{size}", redis_url=redis_url, namespace=namespace,
+                                             inference_urls=[standin.url],
+                                             strategy="bench.handoff_strategy:SyntheticBatches",
+                                             prompts_per_step=prompts, num_generations=GROUP, max_staleness=1,
+                                             keep_batches=1, max_poll_timeout=60, **sampler_settings) as sampler:
+                            measured, stored = asyncio.run(_measure(sampler.url, redis_url, namespace, encs,
+                                                                    reps.get(size, 5), park_s))
+                        rows += [{**_row(size, prompts * GROUP, stored, m["encoding"], m["runs"]), "appendfsync": fsync}
+                                 for m in measured]
     return _report(results_dir, rows)
 
 
 def _report(results_dir: Path, rows: list[dict[str, Any]]) -> dict:
     from bench.handoff_strategy import COMPLETION_TOKENS, PROMPT_TOKENS
 
-    def cell(size: int, enc: str) -> dict[str, Any] | None:
-        return next((r for r in rows if r["target_bytes"] == size and r["encoding"] == enc), None)
+    def cell(size: int, enc: str, fsync: str = "always") -> dict[str, Any] | None:
+        return next((r for r in rows if r["target_bytes"] == size and r["encoding"] == enc
+                     and r["appendfsync"] == fsync), None)
 
     at1, at64 = cell(MIB, "arrays"), cell(64 * MIB, "arrays")
     result: dict[str, Any] = {
@@ -235,11 +248,16 @@ def _report(results_dir: Path, rows: list[dict[str, Any]]) -> dict:
         "independent Redis subscriber) to the decoded body; built -> decoded adds packing and the Redis write. "
         f"Legs are medians. {host()['cpus']} CPUs.",
         "",
+        "Redis fsyncs every write (`appendfsync always`, the embedded Redis's and compose's setting), so an "
+        "acknowledged seal survives a kill -9 of Redis; the table after it compares a Redis that fsyncs once a second.",
+        "",
         "| batch | samples | encoding | body | reps | p50 ms | p99 ms | MB/s at p50 | built -> decoded p50 ms "
         "| pack + seal | to response | decode | + pydantic |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r["appendfsync"] != "always":
+            continue
         legs = r["legs_median_ms"]
         lines.append(
             f"| {r['batch_bytes'] / MIB:.2f} MiB | {r['samples']} | {r['encoding']} | {r['body_bytes'] / MIB:.2f} MiB | "
@@ -250,6 +268,23 @@ def _report(results_dir: Path, rows: list[dict[str, Any]]) -> dict:
               "`codec.pack_arrays` and `Store.seal` in the producer, up to the announcement; to response = "
               "wake-up, encoding for the request, HTTP transfer; decode = `codec.decode` on the client; "
               "+ pydantic = `Batch.model_validate` (what `SamplerClient.get_batch` adds).", ""]
+    compared = [(r, cell(r["target_bytes"], "arrays")) for r in rows if r["appendfsync"] == "everysec"]
+    compared = [(e, a) for e, a in compared if a is not None]
+    if compared:
+        result["durability_cost"] = [
+            {"batch_bytes": a["batch_bytes"], "p50_ms": {"always": a["p50_ms"], "everysec": e["p50_ms"]},
+             "built_to_decoded_p50_ms": {"always": a["built_to_decoded_p50_ms"], "everysec": e["built_to_decoded_p50_ms"]},
+             "pack_and_seal_ms": {"always": a["legs_median_ms"]["pack_and_seal"],
+                                  "everysec": e["legs_median_ms"]["pack_and_seal"]}}
+            for e, a in compared]
+        lines += ["**What fsyncing every write costs** (arrays form; each cell always / everysec):", "",
+                  "| batch | p50 ms (sealed -> decoded) | built -> decoded p50 ms | pack + seal ms |", "|---|---|---|---|"]
+        for e, a in compared:
+            lines.append(f"| {a['batch_bytes'] / MIB:.2f} MiB | {a['p50_ms']} / {e['p50_ms']} | "
+                         f"{a['built_to_decoded_p50_ms']} / {e['built_to_decoded_p50_ms']} | "
+                         f"{a['legs_median_ms']['pack_and_seal']} / {e['legs_median_ms']['pack_and_seal']} |")
+        lines += ["", "The seal's announcement reaches subscribers after the fsync, so the sealed -> decoded clock "
+                  "starts after it; built -> decoded and pack + seal include it.", ""]
     if at1:
         lines.append(f"Target p50 <= 5 ms at 1 MiB (arrays): {'met' if result['meets_1MiB_target'] else 'NOT met'} "
                      f"({at1['p50_ms']} ms).")

@@ -127,7 +127,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         link.on_restart += [producer.after_redis_restart, fleet.restore_members]
         eval_jobs = Evals(redis, keys, notifier, rollouts_for, lessons=curriculum.lessons if curriculum else None,
                           concurrency=settings.eval_concurrency or max(1, settings.max_concurrency // 4),
-                          default_examples=settings.eval_examples)
+                          default_examples=settings.eval_examples, link=link)
         # Observability: a per-app metrics registry, the throughput history, the dashboard's
         # recent rollouts, and the Parquet rollout log.
         metrics = SamplerMetrics(pool=pool, rollouts=rollouts, producer=producer, store=store, link=link)

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
 from services.sampler.notify import Notifier
+from services.sampler.redis_link import RedisLink, is_outage
 from services.sampler.rollout import Rollouts, describe_rewards, nonfinite_rewards
 from shared.aio import wait_event
 
@@ -36,8 +37,10 @@ KEEP_EVALS = 200
 class Evals:
     def __init__(self, redis: aioredis.Redis, keys: Keys, notifier: Notifier,
                  rollouts_for: Callable[[str | None], Rollouts], *, concurrency: int,
-                 default_examples: int, lessons: list[str] | None = None):
+                 default_examples: int, lessons: list[str] | None = None, link: RedisLink | None = None):
         self.r = redis
+        # A finished eval's result waits out a Redis outage instead of being lost with its task.
+        self.link = link
         self.keys = keys
         self.notifier = notifier
         self.rollouts_for = rollouts_for
@@ -117,9 +120,16 @@ class Evals:
             record["status"] = "failed"
             record["error"] = f"{type(exc).__name__}: {exc}"
         record["finished_at"] = time.time()
-        await self._save(record)
+        while True:
+            try:
+                await self._save(record)
+                await self.r.publish(self.keys.events, f"eval:{record['eval_id']}")
+                break
+            except Exception as exc:
+                if self.link is None or not is_outage(exc):
+                    raise
+                await self.link.ride_out(exc)
         self.notifier.notify()
-        await self.r.publish(self.keys.events, f"eval:{record['eval_id']}")
 
     async def _evaluate(self, request: dict[str, Any]) -> dict[str, Any]:
         if request.get("env") or not self.lessons:

@@ -339,7 +339,18 @@ class Fleet:
         task = asyncio.create_task(coro, name=f"fleet {server.url}")
         self._work[server.url] = task
         task.add_done_callback(lambda t, url=server.url: self._work.pop(url, None) if self._work.get(url) is t else None)
+        task.add_done_callback(self._work_done)
         return task
+
+    @staticmethod
+    def _work_done(task: asyncio.Task) -> None:
+        """A re-sync or leave that failed is tried again at the server's next check; say why once
+        (an unreachable Redis is the link's to report)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        if not is_outage(exc):
+            log.error("%s failed: %s: %s", task.get_name(), type(exc).__name__, exc)
 
     def _heal(self, server: Server, why: str) -> None:
         if time.monotonic() < self._heal_backoff.get(server.url, 0.0):

@@ -31,9 +31,11 @@ def test_pipeline(tmp_path):
 def test_handoff(tmp_path):
     from bench import bench_handoff
 
-    result = bench_handoff.run(tmp_path, sizes=(64 * 1024,), reps={64 * 1024: 2})
-    assert {r["encoding"] for r in _written(tmp_path, "handoff")["rows"]} == {"arrays", "msgpack", "json"}
+    result = bench_handoff.run(tmp_path, sizes=(64 * 1024,), reps={64 * 1024: 2}, everysec_sizes=(64 * 1024,))
+    assert {(r["encoding"], r["appendfsync"]) for r in _written(tmp_path, "handoff")["rows"]} == {
+        ("arrays", "always"), ("msgpack", "always"), ("json", "always"), ("arrays", "everysec")}
     assert all(r["p50_ms"] > 0 and r["samples"] == 8 and r["reps"] == 2 for r in result["rows"])
+    assert result["durability_cost"][0]["p50_ms"]["everysec"] > 0
 
 
 def test_throughput(tmp_path):

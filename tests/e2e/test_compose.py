@@ -61,6 +61,8 @@ def test_redis_has_aof_and_a_healthcheck(compose: dict) -> None:
     assert redis["image"].startswith("redis:")
     command = redis["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
+    # Acknowledged means durable: a sealed batch or a published version survives a kill -9.
+    assert command[command.index("--appendfsync") + 1] == "always"
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     assert any(v.endswith(":/data") for v in redis["volumes"]), "AOF must live on a volume"
 
