@@ -172,7 +172,7 @@ class Producer:
         if sealed:
             self.high_water = max(self.high_water, max(sealed) + 1)
         missing = []
-        for step in range(floor, max(last + 1, self.high_water)):
+        for step in range(floor, min(max(last + 1, self.high_water), floor + MAX_AHEAD)):
             if step in sealed or step in self._builds:
                 continue
             if self.store.held(step):

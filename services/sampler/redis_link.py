@@ -38,6 +38,10 @@ log = logging.getLogger("tandem.sampler.redis")
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
+# How often the monitor asks while Redis is down (while up: every `interval`, or when poked).
+_DOWN_INTERVAL = 0.2
+
+
 def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, OUTAGE_ERRORS)
 
@@ -144,8 +148,12 @@ class RedisLink:
                 if not is_outage(exc):
                     log.error("checking Redis at %s failed: %s", self.url, _describe(exc))
                 self.report(exc)
+            if not self.up.is_set():
+                # Down: look again soon, but never faster than this (callers' reports poke too).
+                await asyncio.sleep(_DOWN_INTERVAL)
+                continue
             try:
-                async with asyncio.timeout(self.interval if self.up.is_set() else min(self.interval, 0.2)):
+                async with asyncio.timeout(self.interval):
                     await self._poke.wait()
             except TimeoutError:
                 pass
@@ -155,7 +163,15 @@ class RedisLink:
         up. Returns what happened, for the log."""
         repaired = []
         for callback in self.on_restart:
-            summary = await callback()  # an outage here propagates: retried at the next look
+            try:
+                summary = await callback()
+            except Exception as exc:
+                if is_outage(exc):
+                    raise  # Redis went away again: the whole repair is retried at the next look
+                # A repair that cannot work must not hold the sampler down: say so, go on.
+                log.error("repairing after the Redis restart: %s failed: %s", getattr(callback, "__qualname__", callback),
+                          _describe(exc))
+                summary = f"{getattr(callback, '__qualname__', callback)} failed ({_describe(exc)})"
             if summary:
                 repaired.append(summary)
         self.restarts += 1

@@ -68,11 +68,12 @@ return #steps
 """
 
 
-# KEYS: claim, sealed. ARGV: step, owner, ttl_ms. 1 = claimed (or already ours: the lease is
-# extended), 0 = another replica holds it, -1 = already sealed (checked in the same atomic
+# KEYS: claim, sealed. ARGV: step, owner, ttl_ms. Takes or extends the lease on generating a
+# step: 2 = taken now (nobody held it: a new claim, or one a Redis restart lost), 1 = extended
+# (we hold it), 0 = another replica holds it, -1 = already sealed (checked in the same atomic
 # step, so a claim released right after its seal can never be taken for a second generation
 # of that step).
-_CLAIM = """
+_LEASE = """
 if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return -1 end
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[2] then
@@ -81,7 +82,7 @@ if holder == ARGV[2] then
 end
 if holder then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 1
+return 2
 """
 
 # KEYS: members. ARGV: url, removed record (JSON), channel. 1 = removed now, 0 = not a member.
@@ -93,19 +94,6 @@ if removed ~= nil and removed ~= cjson.null then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('PUBLISH', ARGV[3], 'servers')
 return 1
-"""
-
-# KEYS: claim. ARGV: owner, ttl_ms. 1 = extended (we hold it), 2 = taken again (the lease was
-# gone: a Redis restart lost it, or it lapsed), 0 = another replica holds it now.
-_RENEW = """
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-if holder then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 2
 """
 
 # KEYS: claim. ARGV: owner. Deletes the lease only if we hold it.
@@ -135,8 +123,7 @@ class Store:
         self._seal = client.register_script(_SEAL)
         self._publish = client.register_script(_PUBLISH)
         self._trim = client.register_script(_TRIM)
-        self._claim = client.register_script(_CLAIM)
-        self._renew = client.register_script(_RENEW)
+        self._lease = client.register_script(_LEASE)
         self._release = client.register_script(_RELEASE)
         self._remove_member = client.register_script(_REMOVE_MEMBER)
 
@@ -223,12 +210,15 @@ class Store:
     # --- claims: which replica generates which step --------------------------------
 
     async def claim(self, step: int, owner: str, ttl_ms: int) -> int:
-        """1 claimed, 0 held by another replica, -1 already sealed."""
-        return int(await self._claim(keys=[self.keys.claim(step), self.keys.sealed], args=[step, owner, ttl_ms]))
+        """1 claimed (now, or already ours), 0 held by another replica, -1 already sealed."""
+        return min(1, await self._take_lease(step, owner, ttl_ms))
 
     async def renew_claim(self, step: int, owner: str, ttl_ms: int) -> int:
-        """1 extended, 2 taken again (the lease was gone), 0 another replica holds it."""
-        return int(await self._renew(keys=[self.keys.claim(step)], args=[owner, ttl_ms]))
+        """1 extended, 2 taken again (the lease was gone), 0 another replica holds it, -1 sealed."""
+        return await self._take_lease(step, owner, ttl_ms)
+
+    async def _take_lease(self, step: int, owner: str, ttl_ms: int) -> int:
+        return int(await self._lease(keys=[self.keys.claim(step), self.keys.sealed], args=[step, owner, ttl_ms]))
 
     async def release_claim(self, step: int, owner: str) -> None:
         await self._release(keys=[self.keys.claim(step)], args=[owner])

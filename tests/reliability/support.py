@@ -194,6 +194,20 @@ class Trainer(threading.Thread):
                 self.published.append(step + 1)
 
 
+def finish_after_restart(trainer: Trainer, url: str, detail: Callable[[], str] | None = None,
+                         timeout: float = 90.0) -> float:
+    """Wait for `trainer` to finish once Redis is back; the seconds it took. A trainer still
+    running after `timeout` fails the drill with where the sampler stands."""
+    restarted = time.monotonic()
+    trainer.join(timeout)
+    if trainer.is_alive():
+        status = httpx.get(f"{url}/status", timeout=30).json()
+        raise AssertionError(f"the trainer did not finish within {timeout:.0f}s of Redis coming back: "
+                             f"{len(trainer.batches)} batches; sampler steps: {status['steps']}; versions: "
+                             f"{status['versions']}" + (f"\n{detail()}" if detail else ""))
+    return time.monotonic() - restarted
+
+
 def check_batches(trainer: Trainer, max_staleness: int = 1) -> None:
     """Every step came once, no group twice, and every sample within the staleness bound."""
     steps = [b["step"] for b in trainer.batches]

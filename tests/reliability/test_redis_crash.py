@@ -24,6 +24,7 @@ from tests.reliability.support import (
     Trainer,
     batch_bytes,
     embedded_redis,
+    finish_after_restart,
     kill_embedded_redis,
     kill_pid,
     start_redis_at,
@@ -68,15 +69,9 @@ def _drill(url: str, crash: Any, restart: Any, outage: float = 1.5) -> float:
     time.sleep(outage)  # the trainer's requests now fail (503 or transport errors) and are retried
     assert trainer.is_alive(), f"the trainer stopped during the outage: {trainer.error!r}"
     restart()
-    restarted = time.monotonic()
     left = STEPS - len(trainer.published)
     assert left > 0, "the trainer finished during the outage: the drill tested nothing"
-    trainer.join(90)
-    if trainer.is_alive():
-        status = httpx.get(f"{url}/status", timeout=30).json()
-        raise AssertionError(f"the trainer did not finish within 90s of Redis coming back: {len(trainer.batches)} "
-                             f"batches; sampler steps: {status['steps']}; versions: {status['versions']}")
-    recovered = time.monotonic() - restarted
+    recovered = finish_after_restart(trainer, url)
     _check_nothing_lost(url, trainer, acked_before, batches_before)
     return recovered
 

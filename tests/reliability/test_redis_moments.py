@@ -34,6 +34,7 @@ from tests.reliability.support import (
     Trainer,
     batch_bytes,
     check_batches,
+    finish_after_restart,
     start_redis_at,
     stop_process,
     wait_for,
@@ -110,13 +111,7 @@ def moment_drill(tmp: Path, cleanup: Cleanup, moment: str, *, lossy: bool = Fals
         time.sleep(outage)
         restart()
         marker.unlink()
-    restarted = time.monotonic()
-    trainer.join(90)
-    if trainer.is_alive():
-        status = httpx.get(f"{sampler.url}/status", timeout=30).json()
-        raise AssertionError(f"the trainer did not finish within 90s of Redis coming back: {len(trainer.batches)} "
-                             f"batches; sampler steps: {status['steps']}\n{sampler.log_tail()}")
-    recovered = time.monotonic() - restarted
+    recovered = finish_after_restart(trainer, sampler.url, sampler.log_tail)
     assert trainer.error is None, f"the trainer gave up: {trainer.error!r}\n{sampler.log_tail()}"
     check_batches(trainer, max_staleness=1)
 
