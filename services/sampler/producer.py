@@ -203,11 +203,15 @@ class Producer:
                 self.foreign.discard(step)
         self.foreign = {step for step in self.foreign if step >= floor}
         self.missing = missing
-        self.next_step = last + 1
         self.high_water = max(self.high_water, last + 1)
-        # Waiting for a server (stall() tells GET /batch after generation_deadline), not for the
-        # trainer's next publication.
-        required = self.strategy.required_version(last + 1)
+        # The next step to start: the first unsealed one past the frontier. Waiting for a server
+        # new enough for it is what stall() tells GET /batch after generation_deadline (waiting
+        # for the trainer's next publication is not).
+        upcoming = last + 1
+        while upcoming in sealed:
+            upcoming += 1
+        self.next_step = upcoming
+        required = self.strategy.required_version(upcoming)
         if best is not None and best >= required:
             self.waiting = None
         elif self.waiting is None or self.waiting[0] != required:

@@ -64,6 +64,28 @@ async def test_stalled_generation_is_a_503_naming_the_cause(make_sampler):
         assert "127.0.0.1:9" in response.json()["detail"]
 
 
+async def test_a_stall_names_the_version_the_next_unsealed_step_needs(make_sampler, standin):
+    """Batches 1 and 2 are sealed when the only server dies and version 2 is published: batch 3
+    needs version 2, and its 503 must say so (not the version of a step already sealed)."""
+    sampler = make_sampler(max_staleness=1, generation_deadline=1, server_check_interval=0.3, request_retries=0,
+                           request_timeout=2)
+    url = sampler.url
+    await drive(url, 1)  # version 1: batches 1 and 2 may be built
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert (await http.get("/batch", params={"step": 2, "timeout": 20})).status_code == 200
+        standin.stop()
+        assert (await http.post("/weights_version", json={"version": 2, "checkpoint_path": "/ckpt/2"})).status_code == 200
+        deadline = time.monotonic() + 30
+        while True:
+            response = await http.get("/batch", params={"step": 3, "timeout": 1})
+            if response.status_code != 204 or time.monotonic() > deadline:
+                break
+        assert response.status_code == 503, response.text
+        detail = response.json()["detail"]
+        assert "batch 3" in detail and "version >= 2" in detail and standin.url in detail, detail
+        assert (await http.get("/status")).json()["steps"]["next_step"] == 3
+
+
 async def test_generation_resumes_when_the_server_comes_back(make_sampler, standin):
     httpx.post(standin.url + "/_standin/fail", params={"count": 12})
     sampler = make_sampler(request_retries=1, prompts_per_step=2, num_generations=2)
