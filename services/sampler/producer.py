@@ -204,11 +204,13 @@ class Producer:
         self.foreign = {step for step in self.foreign if step >= floor}
         self.missing = missing
         self.high_water = max(self.high_water, last + 1)
-        # The next step to start: the first unsealed one past the frontier. Waiting for a server
+        # The next step to start: the first one past the frontier that is neither sealed nor
+        # being built (here or by a replica; a build started before the frontier moved back,
+        # when its server died, counts). Waiting for a server
         # new enough for it is what stall() tells GET /batch after generation_deadline (waiting
         # for the trainer's next publication is not).
         upcoming = last + 1
-        while upcoming in sealed:
+        while upcoming in sealed or upcoming in self._builds or upcoming in self.foreign:
             upcoming += 1
         self.next_step = upcoming
         required = self.strategy.required_version(upcoming)

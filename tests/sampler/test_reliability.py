@@ -64,15 +64,25 @@ async def test_stalled_generation_is_a_503_naming_the_cause(make_sampler):
         assert "127.0.0.1:9" in response.json()["detail"]
 
 
-async def test_a_stall_names_the_version_the_next_unsealed_step_needs(make_sampler, standin):
-    """Batches 1 and 2 are sealed when the only server dies and version 2 is published: batch 3
-    needs version 2, and its 503 must say so (not the version of a step already sealed)."""
+@pytest.mark.parametrize("batch_2", ["sealed", "building"])
+async def test_a_stall_names_the_version_the_next_step_needs(make_sampler, standin, batch_2):
+    """The only server dies, then version 2 is published, with batch 2 sealed or still being
+    built: batch 3 needs version 2, and its 503 must say so (not the version of batch 2)."""
     sampler = make_sampler(max_staleness=1, generation_deadline=1, server_check_interval=0.3, request_retries=0,
                            request_timeout=2)
-    url = sampler.url
-    await drive(url, 1)  # version 1: batches 1 and 2 may be built
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        assert (await http.get("/batch", params={"step": 2, "timeout": 20})).status_code == 200
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        for step in (0, 1):  # both built from version 0
+            assert (await http.get("/batch", params={"step": step, "timeout": 20})).status_code == 200
+        if batch_2 == "building":
+            httpx.post(f"{standin.url}/_standin/configure", json={"hung": True})
+        assert (await http.post("/weights_version", json={"version": 1})).status_code == 200
+        if batch_2 == "sealed":
+            assert (await http.get("/batch", params={"step": 2, "timeout": 20})).status_code == 200
+        else:
+            deadline = time.monotonic() + 20
+            while 2 not in [p["step"] for p in (await http.get("/status")).json()["steps"]["in_progress"]]:
+                assert time.monotonic() < deadline, "batch 2 never started"
+                await asyncio.sleep(0.05)
         standin.stop()
         assert (await http.post("/weights_version", json={"version": 2, "checkpoint_path": "/ckpt/2"})).status_code == 200
         deadline = time.monotonic() + 30
