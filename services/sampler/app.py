@@ -17,10 +17,10 @@ from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from fastapi.staticfiles import StaticFiles
 
 from services.sampler import guards
 from services.sampler.config import SamplerSettings

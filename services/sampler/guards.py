@@ -12,9 +12,9 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.sampler.redis_link import is_outage
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyLimitMiddleware:

@@ -104,7 +104,7 @@ class Producer:
         self.last_sealed: int | None = None
         self.last_error: str | None = None
         self.sealed_count = 0
-        self.dropped = 0  # builds stopped or dropped because the run moved past their step
+        self.dropped = 0  # builds dropped because the run moved past their step (failed, or trimmed)
         self._tickets = 0
         self._builds: dict[int, asyncio.Task] = {}
         self.owner = uuid.uuid4().hex[:12]

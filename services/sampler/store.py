@@ -193,9 +193,6 @@ class Store:
         """Wait until batch `step` has been sent to a reader, at most `timeout` seconds."""
         return await wait_event(self._served_event(step), timeout)
 
-    async def is_sealed(self, step: int) -> bool:
-        return await self.r.zscore(self.keys.sealed, step) is not None
-
     async def sealed_steps(self) -> list[int]:
         return [int(s) for s in await self.r.zrange(self.keys.sealed, 0, -1)]
 

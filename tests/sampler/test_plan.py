@@ -4,24 +4,14 @@ a version published ahead of its batch never puts negative staleness in a batch.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import redis as redis_py
 
 from services.sampler.keys import Keys
 from services.sampler.store import Store
+from tests.reliability.support import wait_for
 from tests.support.driver import drive
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.05)
 
 
 def _status(url: str) -> dict:
@@ -41,12 +31,12 @@ def _lose(redis_url: str, namespace: str, step: int) -> None:
 async def test_a_step_nobody_holds_is_rebuilt_and_reported(make_sampler, redis_url, namespace):
     first = make_sampler(max_staleness=1)
     await drive(first.url, 2)  # version 2: batches 2 and 3 get built
-    _wait(lambda: {2, 3} <= set(_status(first.url)["steps"]["sealed_steps"]), 30, "batches 2 and 3")
+    wait_for(lambda: {2, 3} <= set(_status(first.url)["steps"]["sealed_steps"]), 30, "batches 2 and 3")
     first.stop()
     _lose(redis_url, namespace, 2)  # batch 3 is still there: 2 is a gap no process holds
 
     second = make_sampler(max_staleness=1)
-    status = _wait(lambda: (s := _status(second.url))["steps"]["healed"]["counts"]["rebuilt"] and s, 30,
+    status = wait_for(lambda: (s := _status(second.url))["steps"]["healed"]["counts"]["rebuilt"] and s, 30,
                    "the lost step to be rebuilt")
     assert [h["step"] for h in status["steps"]["healed"]["recent"] if h["how"] == "rebuilt"] == [2]
     batch = httpx.get(f"{second.url}/batch", params={"step": 2, "timeout": 20}, timeout=30)
@@ -66,7 +56,7 @@ async def test_a_lost_seal_this_process_holds_is_written_back_byte_for_byte(make
     _lose(redis_url, namespace, 1)
     # The next pass (at once: GET /batch wakes the planner for a step nobody builds) writes it back.
     httpx.get(f"{sampler.url}/batch", params={"step": 1, "timeout": 0}, timeout=30)
-    _wait(lambda: redis_py.Redis.from_url(redis_url).get(Keys(namespace).batch(1)) == stored, 10,
+    wait_for(lambda: redis_py.Redis.from_url(redis_url).get(Keys(namespace).batch(1)) == stored, 10,
           "batch 1 to be written back")
     status = _status(sampler.url)
     assert status["steps"]["healed"]["counts"]["restored"] == 1
@@ -103,7 +93,7 @@ async def test_a_version_published_before_its_batch_was_read_never_gives_negativ
     httpx.post(f"{standin.url}/pause")
     sampler = make_sampler(max_staleness=1)
     url = sampler.url
-    _wait(lambda: {0, 1} <= {p["step"] for p in _status(url)["steps"]["in_progress"]}, 20, "batches 0 and 1 to start")
+    wait_for(lambda: {0, 1} <= {p["step"] for p in _status(url)["steps"]["in_progress"]}, 20, "batches 0 and 1 to start")
     assert httpx.post(f"{url}/weights_version", json={"version": 2}).status_code == 200
     httpx.post(f"{standin.url}/resume")
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:

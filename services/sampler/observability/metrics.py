@@ -117,7 +117,7 @@ class _StateCollector(Collector):
             healed.add_metric([how], count)
         yield healed
         yield CounterMetricFamily("tandem_sampler_builds_dropped",
-                                  "batch builds stopped or dropped because the run had moved past their step",
+                                  "batch builds dropped because the run had moved past their step (failed, or trimmed before the seal)",
                                   value=producer.dropped)
         link = m.link
         yield GaugeMetricFamily("tandem_sampler_redis_up", "1 while Redis answers", value=1 if link.reachable else 0)
