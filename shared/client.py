@@ -1,9 +1,12 @@
 """Async client for the sampler API, for trainers and scripts.
 
 `get_batch` long-polls through 204s, so a caller simply awaits the batch; it retries
-transport errors and 5xx answers with capped exponential backoff, and turns the
-statuses that need a decision into exceptions: 409 `BatchNotReady` (post a newer
-version first), 410 `BatchTrimmed`, 401 `Unauthorized`, 4xx `SamplerRequestError`.
+transport errors and 5xx answers with capped exponential backoff (for `retry_for` seconds,
+then `SamplerUnavailable`), and turns the statuses that need a decision into exceptions:
+409 `BatchNotReady` (post a newer version first), 410 `BatchTrimmed`, 401 `Unauthorized`,
+4xx `SamplerRequestError`. Waits speak (shared/waiting.py): a request that keeps failing logs
+its first failure and then one line every `report_every` seconds; a batch wait logs one line
+per `report_every` with what the sampler's `GET /status` says the batch waits for.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from shared import codec
 from shared.http_client import HttpClient, Reply, TransportError
+from shared.waiting import REPORT_EVERY, Retrying, describe_status
 from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
 
 log = logging.getLogger("tandem.client")
@@ -79,7 +83,10 @@ class SamplerClient:
     """`async with SamplerClient("http://127.0.0.1:8100") as client: batch = await client.get_batch(0)`
 
     With the default `encoding="arrays"` a sample's token ids, logprobs and loss mask are
-    read-only numpy arrays; `encoding="json"` or `"msgpack"` gives lists."""
+    read-only numpy arrays; `encoding="json"` or `"msgpack"` gives lists.
+
+    `report_every`: seconds between two log lines about one wait. `retry_for_name` and
+    `timeout_name`: how the messages name the bounds (a trainer gives its flags)."""
 
     def __init__(
         self,
@@ -89,10 +96,16 @@ class SamplerClient:
         poll_timeout: float = 30.0,
         retry_for: float = 120.0,
         encoding: str = "arrays",
+        report_every: float = REPORT_EVERY,
+        retry_for_name: str = "retry_for",
+        timeout_name: str = "timeout",
     ):
         self.base_url = base_url.rstrip("/")
         self.poll_timeout = poll_timeout
         self.retry_for = retry_for
+        self.report_every = report_every
+        self.retry_for_name = retry_for_name
+        self.timeout_name = timeout_name
         if encoding not in _ENCODINGS:
             raise ValueError(f"encoding must be one of {sorted(_ENCODINGS)}, not {encoding!r}")
         self.accept = _ENCODINGS[encoding]
@@ -111,7 +124,7 @@ class SamplerClient:
 
     async def _request(self, method: str, path: str, what: str, **kwargs: Any) -> Reply:
         """Send one request, retrying transport errors and 5xx until `retry_for` runs out."""
-        deadline = time.monotonic() + self.retry_for
+        retrying = Retrying(what, self.base_url, self.retry_for, self.retry_for_name, self.report_every, log)
         delay = 0.1
         while True:
             try:
@@ -122,12 +135,9 @@ class SamplerClient:
                 if response.status_code < 500:
                     return response
                 failure = f"HTTP {response.status_code}: {_detail(response)}"
-            if time.monotonic() + delay > deadline:
-                raise SamplerUnavailable(
-                    f"{what}: sampler at {self.base_url} kept failing for {self.retry_for:.0f}s; "
-                    f"last error: {failure}"
-                )
-            log.warning("%s failed (%s); retrying in %.1fs", what, failure, delay)
+            if time.monotonic() + delay > retrying.deadline:
+                raise SamplerUnavailable(retrying.give_up_message(failure))
+            retrying.failed(failure)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
@@ -163,10 +173,7 @@ class SamplerClient:
             except BatchTrimmed as exc:
                 if exc.superseded:
                     raise SamplerError(f"batch {step} is not available: {exc.detail['message']}") from exc
-                raise SamplerError(
-                    f"batch {step} was trimmed by the sampler ({exc.detail}): the trainer fell behind its "
-                    "retention window (raise the sampler's keep_batches, or start a fresh sampler run_dir)"
-                ) from exc
+                raise SamplerError(f"cannot train step {step}: {exc.detail}") from exc
 
     async def get_batch_raw(
         self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
@@ -181,9 +188,15 @@ class SamplerClient:
         """The batch's body as received, with its content type: `get_batch_raw` before decoding."""
         what = f"GET /batch step={step} rank={rank}/{world_size}"
         headers = {"Accept": self.accept}
-        give_up = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        give_up = None if timeout is None else started + timeout
+        next_report = started + self.report_every
         while True:
-            poll = self.poll_timeout
+            if rank == 0 and time.monotonic() >= next_report:
+                # Rank 0 speaks for the job: every rank waits for the same batch.
+                await self._report_batch_wait(step, time.monotonic() - started, timeout)
+                next_report = time.monotonic() + self.report_every
+            poll = min(self.poll_timeout, max(0.05, next_report - time.monotonic()))
             if give_up is not None:
                 poll = min(poll, max(0.0, give_up - time.monotonic()))
             params = {"step": step, "timeout": poll, "rank": rank, "world_size": world_size}
@@ -193,17 +206,40 @@ class SamplerClient:
                 return response.content_type, response.content
             if status == 204:
                 if give_up is not None and time.monotonic() >= give_up:
-                    raise TimeoutError(f"{what}: batch not sealed within {timeout}s")
+                    raise TimeoutError(f"{what}: batch not sealed within {timeout:g}s ({self.timeout_name}); "
+                                       f"the sampler: {await self._generation_state(step)}")
                 continue
             self._raise(response, what)
 
+    async def _generation_state(self, step: int) -> str:
+        """What the sampler's GET /status says batch `step` waits for (one attempt, no retries)."""
+        try:
+            response = await self._http.request("GET", self.base_url + "/status", timeout=10.0)
+        except TransportError as exc:
+            return f"GET /status did not answer ({exc})"
+        if response.status_code != 200:
+            return f"GET /status answered HTTP {response.status_code}: {_detail(response)}"
+        try:
+            return describe_status(response.json(), step)
+        except ValueError:
+            return "GET /status answered no JSON"
+
+    async def _report_batch_wait(self, step: int, waited: float, timeout: float | None) -> None:
+        bound = "" if timeout is None else f", giving up after {timeout:g}s ({self.timeout_name})"
+        log.info("waiting for batch %d: %.0fs so far%s; the sampler: %s", step, waited, bound,
+                 await self._generation_state(step))
+
     async def publish_weights(self, version: int, checkpoint_path: str | None = None, *,
                               probe: dict[str, Any] | None = None,
-                              metrics: dict[str, float] | None = None) -> WeightsVersion:
+                              metrics: dict[str, float] | None = None,
+                              resume_step: int | None = None) -> WeightsVersion:
         """Publish `version`; with a `probe` (shared/probe.py) every server the sampler loads the
-        checkpoint into must compute the trainer's logprobs, and `metrics` show on the dashboard."""
+        checkpoint into must compute the trainer's logprobs, and `metrics` show on the dashboard.
+        `resume_step`: the step this trainer would restart from; the sampler keeps its batches."""
         what = f"POST /weights_version version={version}"
         body: dict[str, Any] = {"version": version, "checkpoint_path": checkpoint_path}
+        if resume_step is not None:
+            body["resume_step"] = resume_step
         if probe is not None:
             body["probe"] = probe
         if metrics:
@@ -244,6 +280,17 @@ class SamplerClient:
                 return result
             if give_up is not None and time.monotonic() >= give_up:
                 raise TimeoutError(f"{what}: eval still {result.status} after {timeout}s")
+
+    async def check_token(self) -> bool:
+        """GET /auth: True when the sampler accepts this client's token (or needs none); False
+        when the sampler is too old to say (no GET /auth); `Unauthorized` when it refuses it."""
+        response = await self._request("GET", "/auth", "GET /auth")
+        if response.status_code == 204:
+            return True
+        if response.status_code in (404, 405):
+            return False
+        self._raise(response, "GET /auth")
+        return False
 
     async def status(self) -> dict[str, Any]:
         response = await self._request("GET", "/status", "GET /status")

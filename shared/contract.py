@@ -203,6 +203,9 @@ class SamplerConfig(BaseModel):
     advantage: str | None = None
     seed: int | None = None
     keep_batches: int | None = None
+    holds_resume_step: bool = Field(
+        default=False, description="keeps every batch from the trainer's resume_step on (older samplers: "
+        "keep_batches alone decides)")
     filter_zero_variance: bool | None = None
     inference_urls: list[str] | None = None
 
@@ -228,3 +231,21 @@ class SamplerConfig(BaseModel):
                 f"the sampler's GET /status config does not fit this trainer ({problems}); "
                 "run a sampler and trainer of the same Tandem version"
             ) from None
+
+
+def check_retention(checkpoint_every: int, config: SamplerConfig) -> None:
+    """A killed trainer restarts at the step after its newest full checkpoint, up to
+    `checkpoint_every - 1` steps behind the version it last published. A sampler that keeps
+    batches from the trainer's resume step on (`holds_resume_step`) always has them; an older
+    one keeps only `keep_batches` behind the published version, which must then cover that gap."""
+    if config.holds_resume_step or config.keep_batches is None:
+        return
+    if checkpoint_every - 1 > config.keep_batches:
+        raise ContractError(
+            f"the trainer's checkpoint_every {checkpoint_every} and the sampler's keep_batches "
+            f"{config.keep_batches} cannot work together: this sampler keeps only {config.keep_batches} batches "
+            f"behind the published version, and a trainer killed before its next checkpoint would restart up to "
+            f"{checkpoint_every - 1} steps back, on batches already deleted. Set checkpoint_every <= "
+            f"{config.keep_batches + 1} or the sampler's keep_batches >= {checkpoint_every - 1} (or run a "
+            "sampler that holds the trainer's resume step)"
+        )

@@ -138,6 +138,12 @@ class WeightsVersionRequest(BaseModel):
         description="token ids and the trainer's logprobs for them under these weights: every server the "
         "sampler loads them into must agree (shared/probe.py), or it is taken out of rotation",
     )
+    resume_step: int | None = Field(
+        default=None, ge=0, le=2**53,
+        description="the step a restarted trainer would train first (the step after its newest full "
+        "checkpoint; 0 before the first): the sampler keeps every batch from this step on, whatever "
+        "keep_batches says, so a trainer killed at any moment can resume (null: keep_batches alone)",
+    )
     metrics: dict[str, float | None] | None = Field(
         default=None, max_length=MAX_METRICS,
         description="the trainer's metrics for the step that made this version (behaviour_mismatch, loss, "

@@ -22,10 +22,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from services.sampler import guards
+from services.sampler import guards, run_identity
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
-from services.sampler.drill import Drill
+from services.sampler import drill as drills
 from services.sampler.envs import Environment, load_environment
 from services.sampler.evals import Evals
 from services.sampler.fleet import Fleet
@@ -42,7 +42,7 @@ from services.sampler.redis_server import start_embedded, watch_embedded
 from services.sampler.replay_store import ReplayPool
 from services.sampler.rollout import NonFiniteCounts, Rollouts
 from services.sampler.rollout_log import RolloutLog
-from services.sampler.routes import batch, dashboard, evals, health, inference_servers, metrics, status, weights
+from services.sampler.routes import auth, batch, dashboard, evals, health, inference_servers, metrics, status, weights
 from services.sampler.sources import FreshGroups
 from services.sampler.state import SamplerState
 from services.sampler.store import Store
@@ -50,6 +50,7 @@ from services.sampler.strategies import Strategy, load_strategy
 from services.sampler.supervisor import Supervisor, install_task_dump
 from services.sampler.weight_sync import WeightSync
 from shared.http_client import HttpClient
+from shared.settings import SettingsError
 
 log = logging.getLogger("tandem.sampler")
 
@@ -80,6 +81,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         await redis.ping()
         await link.start()
         keys = Keys(settings.namespace)
+        # Before anything reads or writes the run: refuses a namespace holding another run.
+        await run_identity.claim(redis, keys, settings, redis_url)
         store = Store(redis, keys)
         notifier = Notifier(redis_url, keys.events, link)
         # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).
@@ -108,7 +111,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             return rollouts if env_name in (None, "", settings.env) else make_rollouts(load_environment(env_name))
 
         weight_sync = WeightSync(pool, store, resume_deadline=settings.resume_deadline)
-        drill = Drill.from_env(os.environ)  # inert unless a restart drill set TANDEM_DRILL_PAUSE
+        drill = drills.from_env(os.environ)  # inert unless a restart drill set TANDEM_DRILL_PAUSE
         curriculum = None
         if settings.curriculum:
             curriculum = Curriculum(settings.curriculum, seed=settings.seed, adaptive=settings.curriculum_adaptive,
@@ -176,7 +179,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             await state.weight_sync.shutdown(SHUTDOWN_DEADLINE)
         await http.aclose()
         await redis.aclose()
-        if embedded is not None and embedded.started_here:
+        if embedded is not None and embedded.owned:
             await asyncio.to_thread(embedded.stop)
 
 
@@ -186,19 +189,24 @@ def create_app(settings: SamplerSettings, env: Environment | None = None, strate
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, SamplerState]]:
-        async with sampler_state(settings, env, strategy) as state:
+        try:
+            async with sampler_state(settings, env, strategy) as state:
 
-            def begin_closing() -> None:
-                state.closing.set()
-                state.notifier.notify()
+                def begin_closing() -> None:
+                    state.closing.set()
+                    state.notifier.notify()
 
-            # The server calls this on SIGTERM/SIGINT, before it waits for open requests,
-            # so long-polls answer 503 at once instead of holding the shutdown up.
-            app.state.begin_closing = begin_closing
-            yield {"sampler": state}
+                # The server calls this on SIGTERM/SIGINT, before it waits for open requests,
+                # so long-polls answer 503 at once instead of holding the shutdown up.
+                app.state.begin_closing = begin_closing
+                yield {"sampler": state}
+        except SettingsError as exc:
+            # A refusal at start-up (run_identity.py): the entrypoint reports it in one line.
+            app.state.refused = exc
+            raise
 
     app = FastAPI(title="Tandem sampler", version="0.1.0", lifespan=lifespan)
-    for module in (health, batch, weights, inference_servers, evals, status, metrics, dashboard):
+    for module in (health, auth, batch, weights, inference_servers, evals, status, metrics, dashboard):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
     app.add_middleware(HttpMetricsMiddleware)

@@ -6,7 +6,9 @@ Invariants:
 * Readers never pop: `get_batch` returns the same bytes until the step is trimmed.
 * The published version only moves forward (compare-and-set in Lua).
 * Memory is bounded: batches more than `keep_batches` behind the published version are
-  deleted, and the per-batch stats stream and the publication history keep the last 256
+  deleted, except those from the trainer's resume step on (the step after its newest full
+  checkpoint, sent with each version): a trainer killed at any moment finds every batch it
+  must train again, and the per-batch stats stream and the publication history keep the last 256
   entries (what the dashboard plots), so Redis memory is flat after a few hundred steps.
 * What this process acknowledged it can write again: the bytes of the batches it sealed
   most recently (`held`), the last version it published and the trim mark stay in memory,
@@ -55,10 +57,17 @@ redis.call('PUBLISH', ARGV[3], 'version:' .. v)
 return {2, cur}
 """
 
-# KEYS: meta, sealed. ARGV: trim_below, prefix. Deletes batches below trim_below.
+# KEYS: meta, sealed. ARGV: trim_below, prefix, resume_step ('' when the trainer sent none).
+# Deletes batches below min(trim_below, resume_step); the trainer's resume step is recorded
+# (what /status and the 410 report), and the mark never moves back.
 _TRIM = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'trimmed_below') or '0')
 local upto = tonumber(ARGV[1])
+if ARGV[3] ~= '' then
+  local hold = tonumber(ARGV[3])
+  redis.call('HSET', KEYS[1], 'resume_step', hold)
+  if hold < upto then upto = hold end
+end
 if upto <= cur then return 0 end
 local steps = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. upto)
 for _, s in ipairs(steps) do redis.call('DEL', ARGV[2] .. 'batch:' .. s) end
@@ -200,9 +209,13 @@ class Store:
         """Sealed steps >= `first`, in order."""
         return [int(s) for s in await self.r.zrangebyscore(self.keys.sealed, first, "+inf")]
 
-    async def trim_below(self, step: int) -> int:
-        self._trim_mark = max(self._trim_mark, step)
-        return int(await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix]))
+    async def trim_below(self, step: int, resume_step: int | None = None) -> int:
+        """Delete the batches below `step`, but none from `resume_step` on (the trainer's restart
+        point); returns how many were deleted."""
+        mark = step if resume_step is None else min(step, resume_step)
+        self._trim_mark = max(self._trim_mark, mark)
+        hold = "" if resume_step is None else resume_step
+        return int(await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix, hold]))
 
     # --- claims: which replica generates which step --------------------------------
 
@@ -234,6 +247,7 @@ class Store:
             "version": int(meta.get("version", 0)),
             "checkpoint_path": meta.get("checkpoint_path") or None,
             "trimmed_below": int(meta.get("trimmed_below", 0)),
+            "resume_step": int(meta["resume_step"]) if "resume_step" in meta else None,
             "published_at": float(meta["published_at"]) if "published_at" in meta else None,
         }
 

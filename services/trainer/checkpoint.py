@@ -17,6 +17,12 @@ Two kinds of directory, because they serve two readers:
   presence marks a complete checkpoint. Written every `checkpoint_every` steps; a resume
   starts from the newest.
 
+"Newest" means most recently written, not the highest number, for both: a run directory
+reused by a new run (`--no-resume`) holds the old run's higher numbers, and a resumed run
+writes numbers again that its predecessor already wrote. Pruning keeps the newest by write
+time (and whatever the caller protects: the version the sampler serves), and a resume starts
+from the checkpoint written last.
+
 Atomicity, for both: everything is written into a temporary sibling directory (`.tmp-...`),
 files are fsynced, then the directory is renamed into place in one `os.rename`. A reader
 sees either nothing or a complete directory; a crash leaves only a `.tmp-*` directory,
@@ -25,6 +31,7 @@ which the next write removes.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -52,6 +59,71 @@ _SKIP_NAMES = {"config.json", "generation_config.json", "model.safetensors.index
                "pytorch_model.bin.index.json", STATE_FILE, OPTIMIZER_FILE}
 
 
+# -- disk space ------------------------------------------------------------------------------
+
+# Left free beyond the estimate: file-system metadata, config and tokenizer files.
+_SPACE_MARGIN = 16 * 2**20
+
+
+class DiskFullError(OSError):
+    """Not enough disk space for a checkpoint or a published version; the message names the
+    directory, the space needed and the space free. Nothing half-written is left behind."""
+
+
+def tensor_bytes(state_dict: dict[str, Any] | None) -> int:
+    return sum(t.numel() * t.element_size() for t in (state_dict or {}).values())
+
+
+def checkpoint_bytes(state_dict: dict[str, Any] | None, *, optimizer: bool) -> int:
+    """About what checkpoint needs on disk: the float32 weights, and with the optimizer state
+    AdamW's two float32 moments per weight."""
+    weights = sum(t.numel() * 4 for t in (state_dict or {}).values())
+    return weights * (3 if optimizer else 1)
+
+
+def _free_bytes(root: Path) -> int:
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _no_space(root: Path, needed: int, what: str) -> DiskFullError:
+    return DiskFullError(errno.ENOSPC, f"not enough disk space for {what} in {root}: it needs about "
+                         f"{_gib(needed)}, {_gib(_free_bytes(root))} is free. Free some space there (or point the "
+                         "directory elsewhere) and rerun the same command; what was committed before is intact")
+
+
+def ensure_space(root: Path | str, needed: int, what: str) -> None:
+    """Refuse (DiskFullError) before writing `what` into `root` when the disk cannot hold it."""
+    root = Path(root)
+    if _free_bytes(root) < needed + _SPACE_MARGIN:
+        raise _no_space(root, needed, what)
+
+
+@contextmanager
+def disk_errors(root: Path | str, needed: int, what: str) -> Iterator[None]:
+    """Turn a disk filling up during the write into a DiskFullError that says so: an ENOSPC
+    OSError, or torch.save's opaque `basic_ios::clear: iostream error` on a disk found full."""
+    root = Path(root)
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(root, needed, what) from exc
+        raise
+    except RuntimeError as exc:
+        if _free_bytes(root) < max(needed, 1) + _SPACE_MARGIN:
+            raise _no_space(root, needed, what) from exc
+        raise
+
+
 def checkpoint_dir(run_dir: Path | str) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -73,10 +145,33 @@ def _complete_dirs(root: Path, pattern: re.Pattern[str], marker: str) -> list[tu
     return sorted(found)
 
 
-def _prune(found: list[tuple[int, Path]], keep: int, what: str) -> list[Path]:
+def _written_at(path: Path, marker: str) -> float:
+    """When the directory was completed: the `saved_at` its marker file records (the marker's
+    mtime for one without)."""
+    try:
+        saved = json.loads((path / marker).read_text()).get("saved_at")
+        if isinstance(saved, (int, float)):
+            return float(saved)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        return (path / marker).stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _newest_first(found: list[tuple[int, Path]], marker: str) -> list[tuple[int, Path]]:
+    return sorted(found, key=lambda item: (_written_at(item[1], marker), item[0]), reverse=True)
+
+
+def _prune(found: list[tuple[int, Path]], keep: int, what: str, marker: str,
+           protect: tuple[Path | str | None, ...] = ()) -> list[Path]:
+    """Delete all but the `keep` most recently written directories of `found`, and never one
+    named in `protect`."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1: the newest {what}")
-    doomed = [path for _, path in found[:-keep]]
+    spared = {Path(p).resolve() for p in protect if p}
+    doomed = [path for _, path in _newest_first(found, marker)[keep:] if path.resolve() not in spared]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         log.debug("deleted %s", path)
@@ -89,8 +184,9 @@ def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(run_dir: Path | str) -> tuple[int, Path] | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+    """The checkpoint written last (see the module docstring), as (step, path)."""
+    found = _newest_first(list_checkpoints(run_dir), STATE_FILE)
+    return found[0] if found else None
 
 
 def read_state(path: Path | str) -> dict[str, Any]:
@@ -210,19 +306,23 @@ def save_checkpoint(
     """One process: write `step-{step}` atomically and return its path; prune to the newest `keep`."""
     import torch  # here, so that listing checkpoints does not import torch
 
+    what, root = f"checkpoint step-{step}", checkpoint_dir(run_dir)
+    needed = checkpoint_bytes(model.state_dict(), optimizer=optimizer is not None)
+    ensure_space(root, needed, what)
     tmp = begin_checkpoint(run_dir, step)
-    with _staging(tmp):
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-    final = commit_checkpoint(run_dir, step, tmp, model=model, model_dir=model_dir, state=state)
+    with disk_errors(root, needed, what):
+        with _staging(tmp):
+            if optimizer is not None:
+                torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        final = commit_checkpoint(run_dir, step, tmp, model=model, model_dir=model_dir, state=state)
     if keep is not None:
         prune_checkpoints(run_dir, keep)
     return final
 
 
 def prune_checkpoints(run_dir: Path | str, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints; returns the deleted paths."""
-    return _prune(list_checkpoints(run_dir), keep, "checkpoint is what a resume starts from")
+    """Delete all but the `keep` checkpoints written last; returns the deleted paths."""
+    return _prune(list_checkpoints(run_dir), keep, "checkpoint is what a resume starts from", STATE_FILE)
 
 
 # -- published weights ---------------------------------------------------------------------
@@ -283,8 +383,11 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
         raise ValueError(f"refusing to publish version {version}: non-finite values in {bad[:5]}"
                          f"{' and more' if len(bad) > 5 else ''}")
     root = Path(publish_root)
+    what = f"published version-{version}"
+    needed = tensor_bytes(tensors)
+    ensure_space(root, needed, what)
     tmp = _new_staging_dir(root, f".tmp-version-{version}-{os.getpid()}")
-    with _staging(tmp):
+    with disk_errors(root, needed, what), _staging(tmp):
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         config_dict = config.to_dict()
         config_dict["torch_dtype"] = config_dict["dtype"] = str(dtype).removeprefix("torch.")
@@ -296,6 +399,8 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
         return _seal(tmp, version_path(root, version))
 
 
-def prune_published(publish_root: Path | str, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` published versions; returns the deleted paths."""
-    return _prune(list_published(publish_root), keep, "published version is what inference serves")
+def prune_published(publish_root: Path | str, keep: int, protect: tuple[Path | str | None, ...] = ()) -> list[Path]:
+    """Delete all but the `keep` versions written last, sparing those in `protect` (the one the
+    sampler serves: a server that restarts loads it); returns the deleted paths."""
+    return _prune(list_published(publish_root), keep, "published version is what inference serves",
+                  PUBLISHED_FILE, protect)

@@ -116,9 +116,20 @@ class TrainerSettings(TandemSettings):
     eval_examples: int | None = Field(default=None, ge=1, description="examples per eval; unset = the sampler's default")
     eval_timeout: float = Field(default=1800.0, gt=0, description="seconds to wait for one eval result")
     batch_timeout: float | None = Field(
-        default=None, gt=0, description="give up when a batch takes longer than this many seconds (unset: wait forever)"
+        default=None, gt=0,
+        description="give up when one batch takes longer than this many seconds in all, even while generation "
+        "progresses (unset: no such bound; a stuck sampler is bounded by retry_for)",
     )
     poll_timeout: float = Field(default=30.0, gt=0, description="seconds per /batch long-poll request")
+    retry_for: float = Field(
+        default=900.0, gt=0,
+        description="seconds to keep retrying a sampler that cannot be reached or answers 5xx, at start-up and "
+        "during the run (e.g. its 503 once generation has been stuck for its generation_deadline: every inference "
+        "server down or still starting) before giving up; 900 = 15 minutes, room for a vLLM start-up",
+    )
+    wait_log_interval: float = Field(
+        default=30.0, gt=0, description="seconds between two log lines about one wait on the sampler"
+    )
     tensorboard: bool = Field(default=False, description="also write TensorBoard scalars to run_dir/tensorboard")
     progress: bool = Field(default=True, description="show a progress display on rank 0")
 

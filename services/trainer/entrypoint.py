@@ -1,10 +1,12 @@
 """`tandem trainer`: parse the settings, then import torch and train.
 
-Exit status 0 after `max_steps`; 2 for invalid settings or a batch-shape mismatch with
-the sampler (the message names the numbers); 3 when the run stopped because the inference
-servers' logprobs kept disagreeing with the trainer's (`max_behaviour_mismatch`; the message
-says what to check, and the last step's checkpoint is written). Under `torchrun` every rank
-runs this same command; rank 0 prints the summary.
+Exit status 0 after `max_steps`; 2 for invalid settings, a `--model` that is no model
+directory, an API token the sampler refuses, or a batch-shape mismatch with the sampler (the
+message names the numbers; services/trainer/preflight.py); 3 when the run stopped because the
+inference servers' logprobs kept disagreeing with the trainer's (`max_behaviour_mismatch`;
+the message says what to check, and the last step's checkpoint is written); 4 when the
+sampler could not be reached, or kept failing, for `retry_for` seconds (one line with the
+last error). Under `torchrun` every rank runs this same command; rank 0 prints the summary.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Sequence
 
 from services.trainer.config import TrainerSettings
 from services.trainer.mismatch import BehaviourMismatchError
+from services.trainer.preflight import check_model
+from shared.client import SamplerUnavailable
 from shared.settings import SettingsError, load
 
 
@@ -31,10 +35,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         # A diagnosis, not a crash: the message without a traceback.
         print(f"{prog or 'tandem trainer'}: {exc}", file=sys.stderr)
         return 3
+    except SamplerUnavailable as exc:
+        # The client logged the wait every wait_log_interval; its end needs no traceback.
+        print(f"{prog or 'tandem trainer'}: {exc}", file=sys.stderr)
+        return 4
 
 
 def _main(argv: Sequence[str] | None, prog: str | None) -> int:
     settings = load(TrainerSettings, argv, prog or "tandem trainer")
+    check_model(settings.model)  # before torch loads and before the sampler is asked anything
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=settings.log_level.upper(),

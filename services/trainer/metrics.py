@@ -27,14 +27,14 @@ log = logging.getLogger("tandem.trainer.metrics")
 METRICS_FILE = "trainer_metrics.jsonl"
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     # JSON has no NaN/inf; write null rather than produce an unreadable line.
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -74,7 +74,7 @@ class MetricsLogger:
         if not self._fh:
             return
         record = {"time": time.time(), **record}
-        self._fh.write(json.dumps(_clean(record), default=str) + "\n")
+        self._fh.write(json.dumps(json_safe(record), default=str) + "\n")
         if self._tb is not None and record.get("event") in ("step", "eval"):
             step = int(record.get("step", 0))
             prefix = "train" if record["event"] == "step" else "eval"

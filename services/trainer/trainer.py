@@ -60,6 +60,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +69,9 @@ from typing import Any
 
 from services.trainer import checkpoint as ckpt
 from services.trainer.config import TrainerSettings
-from services.trainer.metrics import MetricsLogger, ProgressBar, describe, eval_reward
+from services.trainer import drill as drills
+from services.trainer import metrics_history
+from services.trainer.metrics import METRICS_FILE, MetricsLogger, ProgressBar, describe, eval_reward
 from services.trainer.mismatch import BehaviourMismatchError, MismatchGuard
 from services.trainer.model_setup import set_up_model
 from services.trainer.probe import DTYPE_NAMES
@@ -93,6 +97,7 @@ def accept_sampler_config(status: Any, settings: TrainerSettings, world_size: in
         contract.check_batch_shape(settings.per_device_batch_size, settings.grad_accum_steps, world_size,
                                    config.prompts_per_step, config.num_generations)
         contract.check_reuse(settings.num_iterations, config.num_iterations)
+        contract.check_retention(settings.checkpoint_every, config)
         config.truncation()  # impossible values refused here; the trainer applies the rest
     except contract.ContractError as exc:
         raise SettingsError(str(exc)) from None
@@ -264,6 +269,7 @@ class Trainer:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-train")
         self.evals: list[dict[str, Any]] = []
         self._eval_tasks: list[asyncio.Task] = []
+        self.drill = drills.from_env(os.environ)  # inert unless a kill drill set TANDEM_TRAINER_DRILL_PAUSE
         # Set by start():
         self.world: World | None = None
         self.client: SamplerClient | None = None
@@ -295,15 +301,18 @@ class Trainer:
         a resumed checkpoint, and start the "before" eval."""
         import torch
 
+        from services.trainer import preflight
         from services.trainer.learner import Learner, LossConfig
         from services.trainer.sharding import make_sharding
 
         s = self.settings
         wall_start = time.monotonic()
         self.world = world = World(s)
-        self.client = self._client or SamplerClient(s.sampler_url, api_token=s.api_token, poll_timeout=s.poll_timeout)
+        self.client = self._client or preflight.sampler_client(s)  # speaks while it waits, for retry_for
 
         self.config = accept_sampler_config(await self.client.status(), s, world.world_size)
+        await preflight.check_token(self.client, s)  # before the model loads: a wrong token costs a second
+        preflight.check_model(s.model)
         temperature = resolve_temperature(s, self.config)
         truncation = self.config.truncation()
         max_len = s.max_completion_length or self.config.max_tokens
@@ -326,6 +335,17 @@ class Trainer:
                                sharding=self.sharding, train_mode=s.gradient_checkpointing)
 
         start_step, resumed_from = loaded.start_step, loaded.resumed_from
+        # Which steps this run trains a second time: those a dead predecessor trained after its
+        # checkpoint (the sampler's version says how far it got; its metrics lines too).
+        served = await self.client.weights_version()
+        self.served_path = served.checkpoint_path
+        retrained = set(range(start_step, served.version))
+        if world.is_main:
+            history = metrics_history.prepare(
+                Path(s.run_dir) / METRICS_FILE, resumed=s.resume, checkpoint_step=start_step - 1,
+                checkpoint_record=ckpt.read_state(resumed_from).get("record") if resumed_from else None)
+            retrained |= history.superseded
+        self.retrained = retrained
         self.metrics = MetricsLogger(s.run_dir, enabled=world.is_main, tensorboard=s.tensorboard)
         self.published_version = start_step
         self.public_settings = s.model_dump(mode="json", exclude={"api_token"})
@@ -367,6 +387,7 @@ class Trainer:
         """Optimizer step `step` on batch `step`; publishes version step + 1 (every rank runs it)."""
         s, world = self.settings, self.world
         batch, wait_s = await self._next_batch(step)
+        await self.drill.point("fetched", step)
 
         lr = learning_rate(s, step)
         t_train = time.monotonic()
@@ -376,9 +397,13 @@ class Trainer:
         sums = await self._in_thread(all_reduce_rank_sums, rank_sums(batch, step), self.learner)
         train_s = time.monotonic() - t_train
         record = step_record(step, lr, result, sums, batch, wait_s, train_s)
+        if step in self.retrained:
+            record["retrained"] = True
+        await self.drill.point("trained", step)
 
         await self._publish_step(step, batch, record, lr)
         await self._in_thread(world.barrier)
+        await self.drill.point("published", step)
 
         self.state.add_step(step, wait_s, train_s, sums, record["reward_mean"], result)
         if world.is_main:
@@ -448,6 +473,7 @@ class Trainer:
                 path = await self._in_thread(self._write_published, step + 1, step, full)
                 record["published_bytes"] = _dir_bytes(path)
             record["write_s"] = time.monotonic() - t0
+            await self.drill.point("written", step)
         if checkpoint_due:
             await self._checkpoint(step, lr, full, record)
         del full
@@ -462,8 +488,9 @@ class Trainer:
             state.last_published = path
         state.published_any = True
         if world.is_main:
-            # Prune only after publishing, so the previous published version stays on disk.
-            ckpt.prune_published(self.publish_root, s.keep_published)
+            # Prune only after publishing, so the previous published version stays on disk; and
+            # never the one the sampler serves (a retrained step's version is not served).
+            ckpt.prune_published(self.publish_root, s.keep_published, protect=(self.served_path, path))
 
     def _write_published(self, version: int, step: int, full: dict[str, Any]) -> Path:
         return ckpt.publish_weights(self.publish_root, version, full, self.model.config,
@@ -507,24 +534,40 @@ class Trainer:
         t0 = time.monotonic()
         if full is GATHER:
             full = await self._in_thread(self.sharding.full_state_dict, self.model)
-        tmp = ckpt.checkpoint_dir(s.run_dir) / f".tmp-step-{step}"
+        root, what = ckpt.checkpoint_dir(s.run_dir), f"checkpoint step-{step}"
+        tmp = root / f".tmp-step-{step}"
+        needed = ckpt.checkpoint_bytes(full, optimizer=s.save_optimizer) if world.is_main else 0
+        try:
+            if world.is_main:
+                # Refused before anything is written: a full disk costs no committed checkpoint.
+                ckpt.ensure_space(root, needed, what)
+                await self.drill.point("checkpoint", step)
+                tmp = await self._in_thread(ckpt.begin_checkpoint, s.run_dir, step)
+            await self._in_thread(world.barrier)
+            with ckpt.disk_errors(root, needed, what):
+                if s.save_optimizer:
+                    await self._in_thread(self.sharding.save_optimizer, self.model, self.optimizer, tmp)
+                await self._in_thread(world.barrier)
+                if world.is_main:
+                    # The step's metrics ride along: a kill before its metrics line is written
+                    # loses no record (services/trainer/metrics.py, `reconcile`).
+                    state.last_checkpoint = await self._in_thread(
+                        ckpt.commit_checkpoint, s.run_dir, step, tmp, model=self.model, state_dict=full,
+                        model_dir=s.model,
+                        state={"lr": lr, "world_size": world.world_size, "sharding": self.sharding.kind,
+                               "settings": self.public_settings, "record": record},
+                    )
+        except BaseException:
+            if world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        state.checkpoint_step = step
         if world.is_main:
-            tmp = await self._in_thread(ckpt.begin_checkpoint, s.run_dir, step)
-        await self._in_thread(world.barrier)
-        if s.save_optimizer:
-            await self._in_thread(self.sharding.save_optimizer, self.model, self.optimizer, tmp)
-        await self._in_thread(world.barrier)
-        if world.is_main:
-            state.last_checkpoint = await self._in_thread(
-                ckpt.commit_checkpoint, s.run_dir, step, tmp, model=self.model, state_dict=full, model_dir=s.model,
-                state={"lr": lr, "world_size": world.world_size, "sharding": self.sharding.kind,
-                       "settings": self.public_settings},
-            )
+            await self.drill.point("checkpointed", step)
             ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
             if record is not None:
                 record["checkpoint_bytes"] = _dir_bytes(state.last_checkpoint)
                 record["checkpoint_s"] = time.monotonic() - t0
-        state.checkpoint_step = step
 
     async def _final_checkpoint(self) -> None:
         """A full checkpoint of the last trained step, unless it has one (a run stopping early)."""
@@ -606,9 +649,14 @@ class Trainer:
 
     async def _publish(self, version: int, path: Path | None, *, probe: dict[str, Any] | None = None,
                        metrics: dict[str, float] | None = None) -> None:
+        # The step a restart would train first: the sampler keeps every batch from there on.
+        checkpoint_step = self.state.checkpoint_step
+        resume_step = checkpoint_step + 1 if checkpoint_step is not None else 0
         try:
-            await self.client.publish_weights(version, str(path) if path else None,
-                                              probe=probe if path else None, metrics=metrics)
+            served = await self.client.publish_weights(version, str(path) if path else None,
+                                                       probe=probe if path else None, metrics=metrics,
+                                                       resume_step=resume_step)
+            self.served_path = served.checkpoint_path
         except VersionConflict as exc:
             # Already at (or past) this version: a resumed run re-announcing its checkpoint.
             log.info("sampler already has version >= %d (%s)", version, exc.detail)

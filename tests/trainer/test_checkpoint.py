@@ -47,6 +47,9 @@ def test_keep_last_k_and_latest(tmp_path, model) -> None:
 
 def test_failed_save_leaves_no_checkpoint(tmp_path, model) -> None:
     class Exploding:
+        def state_dict(self):
+            return model.state_dict()
+
         def save_pretrained(self, path, **kwargs):
             model.save_pretrained(path, **kwargs)
             raise OSError("disk full")

@@ -71,11 +71,7 @@ async def get_batch(
             return response
         meta = await store.meta()
         if step < meta["trimmed_below"]:
-            raise HTTPException(
-                status.HTTP_410_GONE,
-                detail=f"batch {step} was trimmed: the sampler keeps batches from step "
-                f"{meta['trimmed_below']} on ({state.settings.keep_batches} behind the published version)",
-            )
+            raise HTTPException(status.HTTP_410_GONE, detail=_trimmed_message(step, meta))
         required = state.strategy.required_version(step)
         if meta["version"] < required:
             raise HTTPException(
@@ -128,3 +124,16 @@ def _batch_response(payload: bytes, rank: int, world_size: int, accept: str | No
         batch["samples"] = rank_share(batch["samples"], rank, world_size)
         batch["rank"], batch["world_size"] = rank, world_size
     return Response(codec.encode(batch, media_type), media_type=media_type)
+
+
+def _trimmed_message(step: int, meta: dict[str, Any]) -> str:
+    """What a 410 for a trimmed batch says: which batches are gone, why, and the two ways on
+    (settings changed now cannot bring deleted batches back, so it does not suggest any)."""
+    first = meta["trimmed_below"]
+    why = (f"the trainer reported it would restart at step {meta['resume_step']}"
+           if meta.get("resume_step") is not None
+           else "no trainer reported a resume step, so only keep_batches kept them")
+    return (f"batch {step} was trimmed: this run's batches below step {first} are deleted (published version "
+            f"{meta['version']}; {why}). A trainer can continue this run only from a checkpoint of step "
+            f"{first - 1} or later (its next step >= {first}); otherwise start the run afresh: a new sampler run "
+            "(fresh run_dir or namespace) and the trainer with --no-resume or a new run_dir")

@@ -53,12 +53,14 @@ async def get_status(state: State) -> dict[str, Any]:
             temperature=s.temperature, top_p=sampling.get("top_p"), top_k=sampling.get("top_k"),
             min_p=sampling.get("min_p"), max_tokens=state.rollouts.max_tokens,
             max_concurrency=s.max_concurrency, advantage=s.advantage, seed=s.seed, keep_batches=s.keep_batches,
+            holds_resume_step=True,
             filter_zero_variance=s.filter_zero_variance, inference_urls=s.inference_urls,
         ).model_dump(),
         "steps": {
             **state.producer.snapshot(),
             "sealed_steps": sealed,
             "trimmed_below": meta["trimmed_below"],
+            "resume_step": meta.get("resume_step"),
         },
         "queues": {
             "batches_ready": len(ready) if stored else None,

@@ -83,7 +83,7 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
                 detail=f"version {body.version} is lower than the published version {previous}",
             )
         if outcome == 2:
-            await state.store.trim_below(body.version - state.settings.keep_batches)
+            await state.store.trim_below(body.version - state.settings.keep_batches, body.resume_step)
             if body.metrics:
                 await state.store.add_trainer_metrics(body.version, body.metrics)
         state.notifier.notify()
