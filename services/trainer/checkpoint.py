@@ -62,7 +62,7 @@ _SKIP_NAMES = {"config.json", "generation_config.json", "model.safetensors.index
 # -- disk space ------------------------------------------------------------------------------
 
 # Left free beyond the estimate: file-system metadata, config and tokenizer files.
-_SPACE_MARGIN = 16 * 2**20
+_SPACE_MARGIN = 2**20
 
 
 class DiskFullError(OSError):

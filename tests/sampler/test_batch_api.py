@@ -148,6 +148,30 @@ async def test_410_after_trim_and_memory_stays_bounded(make_sampler, redis_url):
     assert steps and min(steps) >= 6 and max(steps) <= 9
 
 
+async def test_the_trainers_resume_step_holds_its_batches_past_keep_batches(make_sampler):
+    """Versions 1..8 published with keep_batches 2, by a trainer whose newest checkpoint is
+    step 3: batches 4.. are still there (a trainer killed now restarts at 4); the 410 for an
+    older one says which checkpoint can continue the run, not to change keep_batches."""
+    sampler = make_sampler(keep_batches=2)
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        for step in range(8):
+            assert (await http.get("/batch", params={"step": step, "timeout": 20})).status_code == 200
+            resume = 0 if step < 3 else 4  # checkpoint step-3 committed while training step 3
+            body = {"version": step + 1, "resume_step": resume}
+            assert (await http.post("/weights_version", json=body)).status_code == 200
+        for step in range(4, 8):
+            assert (await http.get("/batch", params={"step": step, "timeout": 1})).status_code == 200, step
+        response = await http.get("/batch", params={"step": 3, "timeout": 1})
+        assert response.status_code == 410
+        detail = response.json()["detail"]
+        assert "below step 4 are deleted" in detail and "restart at step 4" in detail
+        assert "checkpoint of step 3 or later" in detail and "keep_batches" not in detail.split(")")[-1]
+        status = (await http.get("/status")).json()
+        assert status["steps"]["resume_step"] == 4 and status["steps"]["trimmed_below"] == 4
+        assert status["config"]["holds_resume_step"] is True
+        assert (await http.post("/weights_version", json={"version": 9, "resume_step": -1})).status_code == 422
+
+
 async def test_rank_slices_partition_the_batch_without_splitting_groups(make_sampler):
     sampler = make_sampler(prompts_per_step=4, num_generations=4)
     async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:

@@ -63,3 +63,21 @@ async def test_wait_served_returns_once_a_reader_was_answered_or_after_the_timeo
     assert await waiting is True
     store.mark_served(2)  # answered before anyone waits: the wait returns at once
     assert await store.wait_served(2, 0) is True
+
+
+async def test_trim_keeps_every_batch_from_the_trainers_resume_step(redis, namespace):
+    """A trainer that would restart at step 2 keeps batches 2.. whatever keep_batches says; the
+    mark never moves back, and once the trainer checkpoints further the old ones go."""
+    store = Store(redis, Keys(namespace))
+    for step in range(8):
+        assert await store.seal(step, f"batch {step}".encode()) == 1
+    assert await store.trim_below(6, resume_step=2) == 2
+    assert await store.sealed_steps() == [2, 3, 4, 5, 6, 7]
+    meta = await store.meta()
+    assert meta["trimmed_below"] == 2 and meta["resume_step"] == 2
+    assert await store.trim_below(7, resume_step=1) == 0  # an older resume step does not bring 0-1 back
+    assert await store.sealed_steps() == [2, 3, 4, 5, 6, 7]
+    assert await store.trim_below(7, resume_step=5) == 3
+    assert await store.sealed_steps() == [5, 6, 7]
+    assert await store.trim_below(6) == 1  # no resume step (an older trainer): keep_batches alone
+    assert await store.sealed_steps() == [6, 7]

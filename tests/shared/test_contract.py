@@ -72,3 +72,19 @@ def test_a_scorer_of_the_full_distribution_refuses_truncation_naming_the_setting
     contract.check_untruncated_sampling(contract.Truncation(), "TRL's GRPOTrainer")
     with pytest.raises(ContractError, match=r"top_k 20, top_p 0\.9: .*while TRL's GRPOTrainer scores"):
         contract.check_untruncated_sampling(contract.Truncation.of_sampling(0.9, 20, None), "TRL's GRPOTrainer")
+
+
+def test_checkpoint_every_against_keep_batches_of_a_sampler_that_does_not_hold_resume_steps() -> None:
+    """An older sampler keeps only keep_batches behind the published version: a trainer killed just
+    before checkpoint step 19 restarts at step 10, 9 versions back; keep_batches 8 cannot serve it."""
+    old = SamplerConfig(prompts_per_step=8, num_generations=8, keep_batches=8)
+    with pytest.raises(contract.ContractError) as caught:
+        contract.check_retention(10, old)
+    message = str(caught.value)
+    assert "checkpoint_every 10" in message and "keep_batches 8" in message
+    assert "checkpoint_every <= 9" in message and "keep_batches >= 9" in message
+    contract.check_retention(9, old)
+    contract.check_retention(10, SamplerConfig(prompts_per_step=8, num_generations=8, keep_batches=9))
+    # A sampler that holds the trainer's resume step works with any cadence.
+    contract.check_retention(1000, SamplerConfig(prompts_per_step=8, num_generations=8, keep_batches=1,
+                                                 holds_resume_step=True))

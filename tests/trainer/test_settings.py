@@ -23,6 +23,11 @@ def test_sampler_config_is_checked_against_the_trainer_settings() -> None:
         accept_sampler_config({"steps": {}}, settings, 1)
     with pytest.raises(SettingsError, match="num_generations"):
         accept_sampler_config({"config": {"prompts_per_step": 2, "num_generations": "many"}}, settings, 1)
+    # An older sampler (no resume-step hold) whose keep_batches the checkpoint cadence outruns.
+    old_sampler = {"config": {"prompts_per_step": 2, "num_generations": 4, "keep_batches": 8}}
+    with pytest.raises(SettingsError, match="checkpoint_every 10 and the sampler's keep_batches 8"):
+        accept_sampler_config(old_sampler, settings, 1)
+    accept_sampler_config({"config": {**old_sampler["config"], "holds_resume_step": True}}, settings, 1)
     reusing = build(TrainerSettings, {"model": "m", "per_device_batch_size": "4", "grad_accum_steps": "2",
                                       "num_iterations": "3"})
     with pytest.raises(SettingsError, match="trained on 6 times"):
