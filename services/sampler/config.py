@@ -47,6 +47,11 @@ class SamplerSettings(TandemSettings):
         default=None, description="external Redis; unset starts an embedded redis-server under run_dir"
     )
     namespace: str = Field(default="default", description="run namespace: prefixes every Redis key")
+    fresh: bool = Field(
+        default=False,
+        description="start a new run: delete the run stored in this namespace (batches, versions, membership) "
+                    "first; give it once, on the command line",
+    )
     inference_urls: CommaList = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"],
         description="the run's initial inference servers; membership then lives in Redis (POST/DELETE /inference_servers)",

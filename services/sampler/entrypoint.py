@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from services.sampler.config import SamplerSettings
 from shared.settings import SettingsError, load
@@ -38,10 +39,34 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
                 closing()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=10)
-    SamplerServer(config).run()
+    config = uvicorn.Config(_refusal_in_one_line(app), host=settings.host, port=settings.port,
+                            log_level=settings.log_level, timeout_graceful_shutdown=10)
+    try:
+        SamplerServer(config).run()
+    except SystemExit:
+        # uvicorn exits 3 when the start-up fails; one refused (e.g. a namespace holding
+        # another run) is reported like a bad setting instead.
+        refused = getattr(app.state, "refused", None)
+        if refused is None:
+            raise
+        print(f"{prog}: {refused}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _refusal_in_one_line(app: Any) -> Any:
+    """The app, except that a start-up refused with SettingsError does not make uvicorn log a
+    traceback: the entrypoint prints the refusal's one line."""
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        async def quiet_send(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed" and getattr(app.state, "refused", None) is not None:
+                message = {**message, "message": ""}
+            await send(message)
+
+        await app(scope, receive, quiet_send if scope["type"] == "lifespan" else send)
+
+    return asgi
 
 
 if __name__ == "__main__":

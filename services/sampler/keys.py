@@ -14,6 +14,9 @@ class Keys:
         self.prefix = f"tandem:{namespace}:"
         # Hash: version, checkpoint_path, trimmed_below.
         self.meta = self.prefix + "meta"
+        # Hash: the run's identity (run_identity.py): setting -> JSON value, written by the
+        # first sampler of the run; a later one with other values is refused.
+        self.run = self.prefix + "run"
         # Sorted set of sealed steps (score = step), trimmed together with the batches.
         self.sealed = self.prefix + "sealed"
         # Hash: inference server URL -> JSON {version, state, error, ...}: what each serves.

@@ -7,7 +7,11 @@ sampler restart finds every sealed batch. The sampler writes a handful of keys p
 so the fsyncs cost little (docs/sampler-api.md, "Durability", has the measurement). It runs in
 its own process session, so a Ctrl-C aimed at the sampler does not kill it before the
 sampler has drained; a sampler killed with -9 leaves it running, and the next sampler
-on the same `run_dir` reuses it (its port and pid are recorded next to the data).
+on the same `run_dir` reuses it (its port, pid and owner are recorded next to the data).
+
+Ownership: the sampler that owns the redis-server stops it on a clean stop. A sampler owns
+the one it started, and one it adopted whose owner is gone (killed with -9); one it adopted
+from a sampler that still runs stays that sampler's to stop.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class EmbeddedRedis:
     data_dir: Path
     port: int
     pid: int
-    started_here: bool
+    # Whether this process stops it on a clean stop (see the module docstring).
+    owned: bool
 
     @property
     def url(self) -> str:
@@ -50,7 +55,7 @@ class EmbeddedRedis:
         return self.data_dir / "server.json"
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Shut down with a final AOF flush; only the sampler that started it stops it."""
+        """Shut down with a final AOF flush; only the sampler that owns it stops it."""
         # SIGTERM is redis-server's graceful shutdown (fsync the AOF, exit). The SHUTDOWN
         # command would do the same, but redis-py retries the dropped connection for seconds.
         _signal(self.pid, signal.SIGTERM)
@@ -69,6 +74,13 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _write_info(info_file: Path, pid: int, port: int) -> None:
+    """Record the server and its owner (this process); atomic, so a reader never sees half of it."""
+    tmp = info_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": pid, "port": port, "owner": os.getpid()}))
+    os.replace(tmp, info_file)
+
+
 def _ping(port: int) -> bool:
     try:
         return bool(redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1).ping())
@@ -85,13 +97,20 @@ def start_embedded(data_dir: Path, startup_timeout: float = 20.0, port: int | No
         try:
             info = json.loads(info_file.read_text())
             if pid_alive(info["pid"]) and _ping(info["port"]):
-                log.info("reusing embedded redis pid %s on port %s", info["pid"], info["port"])
+                # Adopted when its owner is gone. An owner with our own pid is another sampler in
+                # this process (tests start several); a record without one predates ownership.
+                owner = info.get("owner")
+                owned = owner is None or (owner != os.getpid() and not pid_alive(owner))
+                if owned:
+                    _write_info(info_file, info["pid"], info["port"])
+                log.info("reusing embedded redis pid %s on port %s (%s)", info["pid"], info["port"],
+                         "adopted: stopped with this sampler" if owned else f"still owned by pid {owner}")
                 # It may have been started by an older sampler with `appendfsync everysec`.
                 try:
                     redis.Redis(port=info["port"], socket_timeout=5).config_set("appendfsync", "always")
                 except redis.RedisError as exc:
                     log.warning("could not switch the reused embedded redis to appendfsync always: %s", exc)
-                return EmbeddedRedis(data_dir, info["port"], info["pid"], started_here=False)
+                return EmbeddedRedis(data_dir, info["port"], info["pid"], owned=owned)
         except (ValueError, KeyError, OSError):
             pass
         info_file.unlink(missing_ok=True)
@@ -122,9 +141,9 @@ def start_embedded(data_dir: Path, startup_timeout: float = 20.0, port: int | No
             proc.kill()
             raise RuntimeError(f"embedded redis-server did not answer PING on port {port} within {startup_timeout}s")
         time.sleep(0.02)
-    info_file.write_text(json.dumps({"pid": proc.pid, "port": port}))
+    _write_info(info_file, proc.pid, port)
     log.info("started embedded redis pid %s on port %s (data in %s)", proc.pid, port, data_dir)
-    return EmbeddedRedis(data_dir, port, proc.pid, started_here=True)
+    return EmbeddedRedis(data_dir, port, proc.pid, owned=True)
 
 
 async def watch_embedded(server: EmbeddedRedis, interval: float = 1.0) -> None:
@@ -142,4 +161,4 @@ async def watch_embedded(server: EmbeddedRedis, interval: float = 1.0) -> None:
         log.error("embedded redis-server (pid %s) is gone; restarting it on port %s", server.pid, server.port)
         restarted = await asyncio.to_thread(start_embedded, server.data_dir, port=server.port)
         server.pid = restarted.pid
-        server.started_here = True
+        server.owned = True

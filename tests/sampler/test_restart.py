@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import httpx
+import pytest
 
+from services.procs import pid_alive
+from tests.reliability.support import embedded_redis, wait_for
 from tests.support.servers import free_port, kill_embedded_redis, start_sampler_process
 
 
@@ -59,6 +63,29 @@ def test_graceful_stop_and_restart_replays_the_aof(run_dir, standin):
         sampler = start_sampler_process(run_dir, port=port, **settings)
         again = httpx.get(f"{url}/batch", params={"step": 0, "timeout": 5}, timeout=30)
         assert again.content == first.content
+    finally:
+        sampler.terminate()
+        kill_embedded_redis(run_dir)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_clean_stop_stops_the_redis_adopted_after_a_kill_9(run_dir, standin, sig):
+    """A sampler killed with -9 leaves its redis-server running; the next sampler on the run_dir
+    adopts it, and stopping that one cleanly stops it, as it would one it had started."""
+    settings = dict(inference_urls=[standin.url], env="tests.support.envs:CountEnv", prompts_per_step=2,
+                    num_generations=2, max_tokens=4)
+    sampler = start_sampler_process(run_dir, **settings)
+    try:
+        redis_pid = embedded_redis(run_dir)["pid"]
+        sampler.kill()
+        assert pid_alive(redis_pid)
+        sampler = start_sampler_process(run_dir, **settings)
+        assert embedded_redis(run_dir)["pid"] == redis_pid, "the running redis-server was not adopted"
+        assert "adopted" in sampler.log_tail()
+        sampler.popen.send_signal(sig)
+        assert sampler.popen.wait(30) in (0, -sig)
+        wait_for(lambda: not pid_alive(redis_pid), 15, f"the adopted redis-server (pid {redis_pid}) to stop")
+        assert embedded_redis(run_dir) is None
     finally:
         sampler.terminate()
         kill_embedded_redis(run_dir)
