@@ -1,0 +1,159 @@
+"""kill -9 the trainer at a chosen moment, run the same command again: the run continues.
+
+A real sampler process (embedded Redis, `keep_batches 1`, so nothing but the trainer's resume
+step keeps old batches), a real CPU inference server, and the trainer as its own process with
+`checkpoint_every 3`. The trainer stops at one of its drill pause points
+(services/trainer/drill.py) in step 5, the drill kills it -9 there, and reruns the command
+(without the pause). Step 5 is where checkpoint step-5 is due, three steps after checkpoint
+step-2: the moments around it are the ones that used to leave a run unable to resume (the
+sampler trimmed batch 3 while the trainer still needed it) or with a hole in its metrics.
+
+Each drill checks: the rerun exits 0 having trained to the end; every step has exactly one
+record in trainer_metrics.jsonl, on the sampler's own batch for that step, the steps trained a
+second time marked `retrained` and no others; the sampler serves the final version and its
+`checkpoint_path` exists; no staging directory is left; no traceback in the rerun's log.
+`make stress --drill trainer` runs the same drill 30 times, the moment varied (pause points in
+different steps, and kills after a random delay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.trainer import checkpoint as ckpt
+from services.trainer.drill import POINTS
+from services.trainer.trainer import batch_digest
+from shared.client import SamplerClient
+from tests.reliability.support import Cleanup, kill_embedded_redis, stop_process, wait_for
+from tests.support.servers import ServiceProcess, UvicornThread, start_sampler_process
+
+ENV = "tests.trainer.letter_env:LetterEnv"
+MAX_STEPS = 8
+CHECKPOINT_EVERY = 3
+KILL_STEP = 5  # checkpoint step-5 is due here; the one before is step-2
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "trainer_metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def _digests(url: str, steps: list[int]) -> list[str]:
+    async with SamplerClient(url, retry_for=30) as client:
+        return [batch_digest(await client.get_batch(step, timeout=30)) for step in steps]
+
+
+def trainer_argv(model: Path, url: str, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "trainer", "--model", str(model), "--sampler-url", url,
+            "--run-dir", str(run_dir), "--per-device-batch-size", "4", "--grad-accum-steps", "2",
+            "--max-steps", str(MAX_STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--keep-published", "1",
+            "--learning-rate", "1e-3", "--device", "cpu", "--no-progress", "--no-eval-at-start",
+            "--no-eval-at-end", "--poll-timeout", "10"]
+
+
+def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | None = None, step: int = KILL_STEP,
+                    kill_after: float | None = None) -> dict[str, Any]:
+    """One drill: the trainer killed -9 at pause point `point` of step `step` (or `kill_after`
+    seconds after its first step), then the same command run again to the end. Returns what
+    the stress report needs; raises AssertionError naming what broke."""
+    from services.inference.config import InferenceSettings
+    from services.inference.server import create_app
+
+    inference = UvicornThread(create_app(InferenceSettings(model=str(model)))).start()
+    cleanup.add(inference.stop)
+    sampler_dir, run_dir, drill_dir = tmp / "sampler", tmp / "trainer", tmp / "drill"
+    cleanup.add(lambda: kill_embedded_redis(sampler_dir))
+    sampler = start_sampler_process(sampler_dir, inference_urls=[inference.url], env=ENV, prompts_per_step=2,
+                                    num_generations=4, max_tokens=8, max_staleness=1, keep_batches=1)
+    cleanup.add(lambda: stop_process(sampler))
+    url = sampler.url
+    argv = trainer_argv(model, url, run_dir)
+    env = {"OMP_NUM_THREADS": "1"}
+
+    first = ServiceProcess(argv, name="trainer", log_path=tmp / "trainer-1.log",
+                           env={**env, "TANDEM_TRAINER_DRILL_PAUSE": f"{point}:{step}" if point else "",
+                                "TANDEM_DRILL_DIR": str(drill_dir)})
+    cleanup.add(lambda: stop_process(first))
+
+    def logs() -> str:
+        return (f"first trainer:\n{first.log_tail(3000)}\nsecond trainer:\n"
+                f"{second.log_tail(4000) if second else '-'}\nsampler:\n{sampler.log_tail(2000)}")
+
+    second = None
+    if point is not None:
+        marker = drill_dir / f"{point}-{step}"
+        wait_for(lambda: marker.exists() or first.popen.poll() is not None, 180, f"the trainer to reach {point} {step}",
+                 detail=logs)
+        assert first.popen.poll() is None, f"the trainer exited before {point} {step}\n{logs()}"
+    else:
+        wait_for(lambda: any(r.get("event") == "step" for r in _records(run_dir)) or first.popen.poll() is not None,
+                 180, "the trainer's first step", detail=logs)
+        time.sleep(kill_after or 0.0)
+        assert first.popen.poll() is None, f"the run ended before the kill; nothing was tested\n{logs()}"
+    first.kill()
+    published_at_kill = httpx.get(f"{url}/weights_version", timeout=30).json()["version"]
+    checkpoint_at_kill = ckpt.latest_checkpoint(run_dir)
+    resume_at = checkpoint_at_kill[0] + 1 if checkpoint_at_kill else 0
+
+    t0 = time.monotonic()
+    second = ServiceProcess(argv, name="trainer", log_path=tmp / "trainer-2.log", env=env)
+    cleanup.add(lambda: stop_process(second))
+    wait_for(lambda: second.popen.poll() is not None, 240, "the rerun to finish", interval=0.2, detail=logs)
+    assert second.popen.returncode == 0, f"the rerun failed\n{logs()}"
+    assert "Traceback" not in second.log_tail(100_000), logs()
+
+    records = _records(run_dir)
+    steps = [r for r in records if r.get("event") == "step"]
+    numbers = [r["step"] for r in steps]
+    assert numbers == list(range(MAX_STEPS)), f"steps missing or twice in the metrics: {numbers}\n{logs()}"
+    retrained = [r["step"] for r in steps if r.get("retrained")]
+    assert retrained == list(range(resume_at, max(published_at_kill, resume_at))), (
+        f"retrained {retrained}; resumed at {resume_at}, the sampler had version {published_at_kill}")
+    # Trained on the sampler's batches: those it still keeps, and for a step trained twice,
+    # the same batch both times.
+    kept = [n for n in numbers if n >= httpx.get(f"{url}/status", timeout=30).json()["steps"]["trimmed_below"]]
+    assert [steps[n]["batch_digest"] for n in kept] == asyncio.run(_digests(url, kept)), "trained on other batches"
+    superseded = run_dir / "trainer_metrics.superseded.jsonl"
+    for line in superseded.read_text().splitlines() if superseded.exists() else []:
+        old = json.loads(line)
+        assert old["batch_digest"] == steps[old["step"]]["batch_digest"], f"step {old['step']} retrained on another batch"
+    assert all(r.get("loss") is not None for r in steps[resume_at:]), "the resumed steps did not train"
+    served = httpx.get(f"{url}/weights_version", timeout=30).json()
+    assert served["version"] == MAX_STEPS and all(s["version"] == MAX_STEPS for s in served["servers"]), served
+    assert Path(served["checkpoint_path"]).is_dir(), f"the served {served['checkpoint_path']} was deleted"
+    leftovers = list(run_dir.glob("*/.tmp-*"))
+    assert not leftovers, f"staging directories left behind: {leftovers}"
+    return {"moment": f"{point} {step}" if point else f"{kill_after:.1f}s after step 0",
+            "published_at_kill": published_at_kill, "resumed_at": resume_at, "retrained": len(retrained),
+            "recovered": time.monotonic() - t0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS)
+def test_a_trainer_killed_at_each_moment_of_a_checkpoint_step_resumes(point: str, tmp_path: Path, tiny_model: Path,
+                                                                      cleanup: Cleanup) -> None:
+    result = kill_and_resume(tmp_path, cleanup, tiny_model, point=point)
+    if point in ("fetched", "trained", "written", "checkpoint"):
+        # Killed before checkpoint step-5 committed, with version 5 out: batch 3 is needed again,
+        # two behind the published version, which keep_batches 1 alone would have deleted.
+        assert result["resumed_at"] == 3 and result["published_at_kill"] == 5, result
+    else:
+        assert result["resumed_at"] == 6, result
+
+
+def random_moment(i: int) -> dict[str, Any]:
+    """The stress run's i-th moment: a pause point in steps 2..6 (cycled), or every third run a
+    kill after a random delay."""
+    rng = random.Random(i)
+    if i % 3 == 2:
+        return {"kill_after": rng.uniform(0.0, 6.0)}
+    return {"point": POINTS[i % len(POINTS)], "step": 2 + (i // len(POINTS)) % 5}
