@@ -135,10 +135,11 @@ class SamplerClient:
                 if response.status_code < 500:
                     return response
                 failure = f"HTTP {response.status_code}: {_detail(response)}"
-            if time.monotonic() + delay > retrying.deadline:
+            left = retrying.deadline - time.monotonic()
+            if left <= 0:
                 raise SamplerUnavailable(retrying.give_up_message(failure))
             retrying.failed(failure)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(min(delay, left))  # the last try at the deadline itself
             delay = min(delay * 2, 5.0)
 
     async def get_batch(

@@ -6,7 +6,8 @@
   FSDP's mixed-precision policy). Stepping bf16 weights directly rounds most small updates
   away (at lr 1e-5 only ~15% of the weights moved in 10 steps); float32 masters keep them.
   Inference gets the weights in `publish_dtype` (default: the compute dtype).
-* **model**: loaded from `settings.model` (a Hugging Face directory or hub name), or, with
+* **model**: loaded from `settings.model` (a Hugging Face directory, or a hub name the local
+  cache holds: services/trainer/preflight.py refuses anything else before torch loads), or, with
   `resume` and a complete checkpoint in `run_dir/checkpoints`, from the newest one
   (services/trainer/checkpoint.py). Checkpoint `step-N` holds version N + 1, so training
   continues at step N + 1: batches are keyed by step on the sampler, so a resumed run

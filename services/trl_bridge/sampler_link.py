@@ -17,7 +17,7 @@ import concurrent.futures
 import threading
 from typing import Any
 
-from shared.client import BatchNotReady, SamplerClient, VersionConflict
+from shared.client import BatchNotReady, SamplerClient, SamplerError, Unauthorized, VersionConflict
 from shared.wire import Batch, EvalResult
 
 
@@ -27,6 +27,7 @@ class SamplerLink:
     def __init__(self, url: str, *, api_token: str | None = None, poll_timeout: float = 30.0,
                  batch_timeout: float | None = None, not_ready_grace: float = 60.0):
         self.url = url
+        self.api_token = api_token
         self.batch_timeout = batch_timeout
         self.not_ready_grace = not_ready_grace
         self._loop = asyncio.new_event_loop()
@@ -49,6 +50,16 @@ class SamplerLink:
 
     def status(self) -> dict[str, Any]:
         return self._run(self._client.status())
+
+    def check_token(self) -> None:
+        """GET /auth: a SamplerError naming `api_token` when the sampler refuses this link's token."""
+        try:
+            self._run(self._client.check_token())
+        except Unauthorized:
+            problem = "refused the api_token given" if self.api_token else "needs an api_token and none was given"
+            raise SamplerError(f"the sampler at {self.url} {problem}: pass the sampler's api_token "
+                               "(the trainer's api_token argument; the example's --api-token / TANDEM_API_TOKEN)"
+                               ) from None
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> Batch:
         """Batch `step`, this rank's share: the prefetched one when it is that batch."""

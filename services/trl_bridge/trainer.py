@@ -97,6 +97,7 @@ class TandemGRPOTrainer(GRPOTrainer):
             # Before any model is loaded: a disagreement costs a second, not a model load.
             self.sampler_config = SamplerConfig.from_status(link.status())
             check_grpo_config(args, self.sampler_config, args.world_size)
+            link.check_token()
         except BaseException:
             link.close()
             raise

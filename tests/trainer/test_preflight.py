@@ -1,0 +1,206 @@
+"""Bad input at start-up, in one line (issue 25): a `--model` that is no model, an API token the
+sampler refuses (checked before the model loads), and waits on the sampler that say what they
+wait for, every `wait_log_interval`, up to `retry_for` (services/trainer/preflight.py,
+shared/waiting.py). Real sampler servers on free ports; the real CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.trainer.entrypoint import main as trainer_main
+from shared.client import SamplerClient, SamplerUnavailable, Unauthorized
+from tests.support.servers import REPO, free_port
+
+TOKEN = "preflight-token"
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "services.cli", "trainer", *args]
+    return subprocess.run(argv, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _last_line(err: str) -> str:
+    return err.strip().splitlines()[-1]
+
+
+def test_a_model_that_is_not_there_is_refused_in_one_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"\0")
+    for model, needles in (("/missing", ["--model /missing does not exist", "Hugging Face cache"]),
+                           (str(empty), [f"--model {empty} is not a Hugging Face model directory", "config.json"]),
+                           (str(a_file), [f"--model {a_file} is a file"])):
+        t0 = time.monotonic()
+        done = _cli("--model", model, "--sampler-url", f"http://127.0.0.1:{free_port()}")
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1, done.stderr  # no traceback, no log line: the sampler was not asked
+        for needle in (*needles, "tandem init-model"):
+            assert needle in lines[0], (needle, lines[0])
+        assert "Traceback" not in done.stderr and "Repo id" not in done.stderr
+        assert time.monotonic() - t0 < 20
+
+
+def test_a_model_in_the_local_hub_cache_is_accepted(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """What `from_pretrained` loads offline today stays allowed: a hub name whose files are cached."""
+    snapshot = tmp_path / "hub" / "models--local--tiny" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    for entry in tiny_model_dir.iterdir():
+        (snapshot / entry.name).write_bytes(entry.read_bytes())
+    (tmp_path / "hub" / "models--local--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--local--tiny" / "refs" / "main").write_text("abc")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    port = free_port()
+    # Past the model check, the trainer looks for the sampler (none here): exit 4, not 2.
+    done = _cli("--model", "local/tiny", "--sampler-url", f"http://127.0.0.1:{port}", "--retry-for", "0.5",
+                env=env)
+    assert done.returncode == 4, done.stderr
+    assert "does not exist" not in done.stderr
+    missing = _cli("--model", "local/absent", "--sampler-url", f"http://127.0.0.1:{port}", env=env)
+    assert missing.returncode == 2 and "--model local/absent does not exist" in missing.stderr, missing.stderr
+
+
+async def test_get_auth_answers_for_the_token(make_sampler) -> None:
+    locked = make_sampler(api_token=TOKEN)
+    async with httpx.AsyncClient(base_url=locked.url, timeout=10) as http:
+        assert (await http.get("/auth", headers={"Authorization": f"Bearer {TOKEN}"})).status_code == 204
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            refused = await http.get("/auth", headers=headers)
+            assert refused.status_code == 401, (headers, refused.text)
+            assert refused.headers["www-authenticate"].lower().startswith("bearer")
+    async with SamplerClient(locked.url, api_token=TOKEN) as client:
+        assert await client.check_token() is True
+    async with SamplerClient(locked.url, api_token="wrong") as client:
+        with pytest.raises(Unauthorized):
+            await client.check_token()
+    locked.stop()
+    open_sampler = make_sampler()  # no api_token: nothing is checked
+    async with SamplerClient(open_sampler.url, api_token="anything") as client:
+        assert await client.check_token() is True
+    assert httpx.get(f"{open_sampler.url}/auth", timeout=10).status_code == 204
+
+
+@pytest.mark.parametrize("token", ["wrong", None])
+def test_a_token_the_sampler_refuses_stops_the_trainer_before_the_model_loads(
+        make_sampler, tiny_model_dir: Path, tmp_path: Path, capsys, token: str | None) -> None:
+    sampler = make_sampler(api_token=TOKEN)
+    run_dir = tmp_path / "trainer"
+    args = ["--model", str(tiny_model_dir), "--sampler-url", sampler.url, "--run-dir", str(run_dir),
+            "--per-device-batch-size", "4", "--grad-accum-steps", "4", "--no-progress"]
+    code = trainer_main(args + (["--api-token", token] if token else []), prog="tandem trainer")
+    assert code == 2
+    line = _last_line(capsys.readouterr().err)
+    assert f"the sampler at {sampler.url}" in line and "--api-token / TANDEM_API_TOKEN" in line, line
+    assert ("refused the API token" if token else "needs an API token") in line, line
+    # Stopped before the model loaded: no start record, nothing published or checkpointed.
+    assert not (run_dir / "trainer_metrics.jsonl").exists()
+    assert not (run_dir / "published").exists() and not (run_dir / "checkpoints").exists()
+
+
+async def test_an_unreachable_sampler_is_retried_with_a_line_per_interval(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tandem.client")
+    url = f"http://127.0.0.1:{free_port()}"
+    async with SamplerClient(url, retry_for=1.5, report_every=0.4, retry_for_name="--retry-for") as client:
+        t0 = time.monotonic()
+        with pytest.raises(SamplerUnavailable) as caught:
+            await client.status()
+        took = time.monotonic() - t0
+    assert 1.0 < took < 5, took
+    message = str(caught.value)
+    assert "GET /status" in message and url in message and "--retry-for = 1.5s" in message, message
+    assert "ConnectError" in message, message
+    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.client"]
+    # The first failure at once, then one line per interval (not one per retry: ~10 retries here).
+    assert lines[0].startswith(f"GET /status to the sampler at {url} failed (ConnectError"), lines
+    assert "retrying for up to" in lines[0] and "--retry-for" in lines[0]
+    assert 2 <= len(lines) <= 5, lines
+    assert all("still waiting for the sampler" in line and "giving up in" in line for line in lines[1:]), lines
+
+
+def test_the_cli_gives_up_on_an_unreachable_sampler_in_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    done = _cli("--model", str(tiny_model_dir), "--sampler-url", url, "--run-dir", str(tmp_path / "t"),
+                "--retry-for", "1.5", "--wait-log-interval", "0.5")
+    assert done.returncode == 4, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = _last_line(done.stderr)
+    assert last.startswith("tandem trainer: GET /status: the sampler at " + url), last
+    assert "--retry-for / TANDEM_RETRY_FOR = 1.5s; raise it to wait longer" in last, last
+    waiting = [line for line in done.stderr.splitlines() if "tandem.client" in line]
+    assert waiting and "a line every 0.5s" in waiting[0] and len(waiting) <= 5, done.stderr
+
+
+async def test_a_batch_wait_says_what_the_sampler_waits_for_then_gives_up_naming_the_bound(
+        make_sampler, caplog) -> None:
+    """Every inference server down: the wait logs the sampler's view (servers in rotation, the
+    dead one's state) each interval; the sampler's 503 after generation_deadline is retried for
+    retry_for, and the error names the bound and carries the sampler's cause."""
+    caplog.set_level(logging.INFO, logger="tandem.client")
+    dead = f"http://127.0.0.1:{free_port()}"
+    sampler = make_sampler(inference_urls=[dead], generation_deadline=1.5, max_poll_timeout=5)
+    async with SamplerClient(sampler.url, poll_timeout=5, retry_for=1.5, report_every=0.5,
+                             retry_for_name="--retry-for") as client:
+        t0 = time.monotonic()
+        with pytest.raises(SamplerUnavailable) as caught:
+            await client.get_batch(0)
+        took = time.monotonic() - t0
+    assert took < 15, took
+    message = str(caught.value)
+    assert "HTTP 503" in message and "batch 0" in message and dead in message, message
+    assert "--retry-for = 1.5s" in message, message
+    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.client"]
+    waits = [line for line in lines if line.startswith("waiting for batch 0:")]
+    assert waits, lines
+    assert "0 of 1 inference server(s) in rotation" in waits[0] and dead in waits[0], waits[0]
+    assert "published weights version 0" in waits[0], waits[0]
+    # The 503 phase speaks too: its first failure at once, with the sampler's cause.
+    assert any("HTTP 503" in line and "retrying for up to" in line for line in lines), lines
+    assert len(lines) < 20, lines  # a line per interval, not one per request
+
+
+async def test_a_slow_batch_is_waited_for_past_retry_for(make_sampler, standin, caplog) -> None:
+    """retry_for bounds a failing sampler, not a slow one: 204s are waited through, and spoken of."""
+    caplog.set_level(logging.INFO, logger="tandem.client")
+    httpx.post(f"{standin.url}/_standin/fail", params={"count": 10**9})  # builds fail: no batch yet
+    sampler = make_sampler(generation_deadline=60, max_poll_timeout=5)
+    async with SamplerClient(sampler.url, poll_timeout=5, retry_for=0.5, report_every=0.5) as client:
+        task = asyncio.create_task(client.get_batch(0))
+        await asyncio.sleep(2.0)
+        assert not task.done()
+        httpx.post(f"{standin.url}/_standin/fail", params={"count": 0})
+        batch = await asyncio.wait_for(task, 30)
+    assert batch.step == 0
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for batch 0:")]
+    assert len(waits) >= 2, waits
+    assert "1 of 1 inference server(s) in rotation" in waits[-1] or "attempt" in waits[-1], waits
+
+
+def test_the_trl_link_names_the_token_it_lacks(make_sampler) -> None:
+    from services.trl_bridge.sampler_link import SamplerLink
+    from shared.client import SamplerError
+
+    sampler = make_sampler(api_token=TOKEN)
+    for token, needle in (("wrong", "refused the api_token given"), (None, "needs an api_token")):
+        link = SamplerLink(sampler.url, api_token=token)
+        try:
+            with pytest.raises(SamplerError, match=needle) as caught:
+                link.check_token()
+            assert sampler.url in str(caught.value) and "TANDEM_API_TOKEN" in str(caught.value)
+        finally:
+            link.close()
+    link = SamplerLink(sampler.url, api_token=TOKEN)
+    try:
+        link.check_token()
+    finally:
+        link.close()
