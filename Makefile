@@ -77,7 +77,8 @@ test: $(STAMP) test-tools vllm-if-possible
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
 
-# Restart drills many times in a row (not part of `make test`): `make stress ARGS="--runs 50"`.
+# Restart drills many times in a row (not part of `make test`): Redis killed at chosen moments, then
+# the trainer killed at chosen moments, 30 runs each; `make stress ARGS="--drill trainer --runs 50"`.
 stress: $(STAMP)
 	$(PY) -m tests.reliability.stress $(ARGS)
 

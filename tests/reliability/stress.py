@@ -1,6 +1,7 @@
 """`make stress`: the restart drills, many times in a row, outside `make test`.
 
-    make stress                                   # Redis killed at varied moments, 30 runs, 2 CPU hogs
+    make stress                                   # both default drills, 30 runs each, 2 CPU hogs
+    make stress ARGS="--drill trainer"            # the trainer killed at varied moments only
     make stress ARGS="--drill external --runs 50"
     .venv/bin/python -m tests.reliability.stress --drill moments --runs 100 --load 0
 
@@ -11,6 +12,11 @@ Drills:
   writes), the sampler let on into the outage or held until Redis is back; the run number picks
   the moment, the variant and an outage of 0.05-6 s. Each run checks no skipped step, no changed
   batch, no step waiting over 60 s on the sampler, the expected heals and no traceback.
+* `trainer` (tests/reliability/test_trainer_kills.py): the trainer killed -9 at one of its pause
+  points (fetched, trained, written, checkpoint, checkpointed, published) in steps 2-6, or
+  after a random delay, and the same command run again. Each run checks the rerun finishes,
+  every step has one metrics record (retrained ones marked), the same batches, the final
+  version served, no staging directory left.
 * `external` / `embedded` (tests/reliability/test_redis_crash.py): Redis killed -9 after the
   trainer's third step, restarted by the drill (external) or the sampler's watchdog (embedded).
 
@@ -37,6 +43,7 @@ from typing import Any
 from tests.reliability.support import Cleanup
 
 OUTAGES = (0.05, 0.3, 1.0, 1.5, 3.0, 6.0)
+DRILLS = ("moments", "trainer", "external", "embedded")
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
@@ -49,6 +56,12 @@ def moment_variants() -> list[tuple[str, bool, bool | None]]:
 
 
 def describe(drill: str, i: int) -> str:
+    if drill == "trainer":
+        from tests.reliability.test_trainer_kills import random_moment
+
+        moment = random_moment(i)
+        return (f"killed at {moment['point']} {moment['step']}" if "point" in moment
+                else f"killed {moment['delay']:.2f}s after step {moment['step'] - 1}")
     outage = OUTAGES[i % len(OUTAGES)]
     if drill != "moments":
         return f"outage {outage:.2f}s"
@@ -57,13 +70,16 @@ def describe(drill: str, i: int) -> str:
             f"outage {outage:.2f}s")
 
 
-def _run_one(drill: str, tmp: Path, i: int) -> dict[str, Any]:
+def _run_one(drill: str, tmp: Path, i: int, model: Path | None) -> dict[str, Any]:
     from tests.reliability import test_redis_crash as crash
     from tests.reliability import test_redis_moments as moments
+    from tests.reliability import test_trainer_kills as kills
 
     outage = OUTAGES[i % len(OUTAGES)]
     cleanup = Cleanup()
     try:
+        if drill == "trainer":
+            return kills.kill_and_resume(tmp, cleanup, model, **kills.random_moment(i))
         if drill == "moments":
             moment, lossy, during = moment_variants()[i % len(moment_variants())]
             return moments.moment_drill(tmp, cleanup, moment, lossy=lossy, outage=outage,
@@ -91,14 +107,30 @@ class Load:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make stress", description=__doc__.splitlines()[0])
-    parser.add_argument("--drill", choices=["moments", "external", "embedded"], default="moments",
-                        help="moments: Redis killed at chosen moments (default); external: a Redis the drill "
-                             "restarts; embedded: the sampler's watchdog restarts it")
+    parser.add_argument("--drill", default="moments,trainer",
+                        help="comma-separated, run one after the other (default moments,trainer). moments: Redis "
+                             "killed at chosen moments; trainer: the trainer killed at chosen moments and rerun; "
+                             "external: a Redis the drill restarts; embedded: the sampler's watchdog restarts it")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--load", type=int, default=2, help="busy processes running meanwhile (default 2)")
     parser.add_argument("--keep-going", action="store_true", help="do not stop at the first failure")
     args = parser.parse_args(argv)
+    drills = [d.strip() for d in args.drill.split(",") if d.strip()]
+    unknown = [d for d in drills if d not in DRILLS]
+    if unknown or not drills:
+        parser.error(f"--drill {args.drill!r}: each must be one of {', '.join(DRILLS)}")
+    code = 0
+    for drill in drills:
+        code |= _stress(argparse.Namespace(**{**vars(args), "drill": drill}))
+    return code
 
+
+def _stress(args: argparse.Namespace) -> int:
+    model = None
+    if args.drill == "trainer":
+        from services.inference.init_model import init_model
+
+        model = init_model(Path(tempfile.mkdtemp(prefix="tandem-stress-model-")) / "tiny", preset="tiny", seed=0)
     results: list[dict[str, Any]] = []
     failures: list[str] = []
     started = time.time()
@@ -109,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(tempfile.mkdtemp(prefix=f"tandem-stress-{args.drill}-{i}-"))
             t0 = time.monotonic()
             try:
-                result = _run_one(args.drill, tmp, i)
+                result = _run_one(args.drill, tmp, i, model)
             except Exception:  # noqa: BLE001 - a failed run is reported, with its files kept
                 failures.append(f"run {i} ({what}): files in {tmp}\n{traceback.format_exc()}")
                 print(f"run {i + 1}/{args.runs}: {what} FAILED after {time.monotonic() - t0:.0f}s "
@@ -120,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             shutil.rmtree(tmp, ignore_errors=True)
             waited = f", longest wait {result['max_wait']:.1f}s" if "max_wait" in result else ""
-            print(f"run {i + 1}/{args.runs}: {what} ok; trainer done {result['recovered']:.1f}s after the restart"
+            done = "the rerun done in" if args.drill == "trainer" else "trainer done"
+            print(f"run {i + 1}/{args.runs}: {what} ok; {done} {result['recovered']:.1f}s after the restart"
                   f"{waited} ({time.monotonic() - t0:.0f}s in all)", flush=True)
     finally:
         load.stop()
@@ -137,13 +170,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(args: argparse.Namespace, results: list[dict[str, Any]], failures: list[str], seconds: float) -> str:
     title = {"moments": "Redis killed -9 at chosen moments", "external": "Redis kill -9 drill (external)",
-             "embedded": "Redis kill -9 drill (embedded)"}[args.drill]
+             "embedded": "Redis kill -9 drill (embedded)",
+             "trainer": "the trainer killed -9 at chosen moments, the same command rerun"}[args.drill]
     lines = [f"# Stress: {title}", "",
              f"Command: `make stress ARGS=\"--drill {args.drill} --runs {args.runs} --load {args.load}\"`", "",
              f"- runs passed in a row: **{len(results)}** of {args.runs} asked; failed: {len(failures)}",
              f"- load: {args.load} busy process(es) beside the drill; wall time: {seconds:.0f} s"]
     recoveries = [r["recovered"] for r in results]
-    if recoveries:
+    if recoveries and args.drill == "trainer":
+        lines.append(f"- the rerun, start to last step: median {statistics.median(recoveries):.1f} s, "
+                     f"max {max(recoveries):.1f} s; steps retrained after a kill: "
+                     f"{sum(r['retrained'] for r in results)} over all runs; runs that resumed behind the "
+                     f"sampler's version (needing batches keep_batches alone would have trimmed): "
+                     f"{sum(r['resumed_at'] < r['published_at_kill'] - 1 for r in results)}")
+        lines.append("- moments: " + "; ".join(r["moment"] for r in results))
+    elif recoveries:
         lines.append(f"- trainer's last step after Redis's restart: median {statistics.median(recoveries):.1f} s, "
                      f"max {max(recoveries):.1f} s (outages cycle through {', '.join(str(o) for o in OUTAGES)} s)")
     waits = [r["max_wait"] for r in results if "max_wait" in r]

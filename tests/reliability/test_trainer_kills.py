@@ -61,10 +61,11 @@ def trainer_argv(model: Path, url: str, run_dir: Path) -> list[str]:
 
 
 def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | None = None, step: int = KILL_STEP,
-                    kill_after: float | None = None) -> dict[str, Any]:
-    """One drill: the trainer killed -9 at pause point `point` of step `step` (or `kill_after`
-    seconds after its first step), then the same command run again to the end. Returns what
-    the stress report needs; raises AssertionError naming what broke."""
+                    delay: float = 0.0) -> dict[str, Any]:
+    """One drill: the trainer killed -9 at pause point `point` of step `step`, or without a
+    point `delay` seconds after the metrics line of step `step - 1` (anywhere in step `step`
+    or the next), then the same command run again to the end. Returns what the stress report
+    needs; raises AssertionError naming what broke."""
     from services.inference.config import InferenceSettings
     from services.inference.server import create_app
 
@@ -95,9 +96,9 @@ def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | No
                  detail=logs)
         assert first.popen.poll() is None, f"the trainer exited before {point} {step}\n{logs()}"
     else:
-        wait_for(lambda: any(r.get("event") == "step" for r in _records(run_dir)) or first.popen.poll() is not None,
-                 180, "the trainer's first step", detail=logs)
-        time.sleep(kill_after or 0.0)
+        wait_for(lambda: sum(r.get("event") == "step" for r in _records(run_dir)) >= step
+                 or first.popen.poll() is not None, 180, f"the trainer's step {step - 1}", detail=logs)
+        time.sleep(delay)
         assert first.popen.poll() is None, f"the run ended before the kill; nothing was tested\n{logs()}"
     first.kill()
     published_at_kill = httpx.get(f"{url}/weights_version", timeout=30).json()["version"]
@@ -132,7 +133,7 @@ def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | No
     assert Path(served["checkpoint_path"]).is_dir(), f"the served {served['checkpoint_path']} was deleted"
     leftovers = list(run_dir.glob("*/.tmp-*"))
     assert not leftovers, f"staging directories left behind: {leftovers}"
-    return {"moment": f"{point} {step}" if point else f"{kill_after:.1f}s after step 0",
+    return {"moment": f"{point} {step}" if point else f"{delay:.2f}s after step {step - 1}",
             "published_at_kill": published_at_kill, "resumed_at": resume_at, "retrained": len(retrained),
             "recovered": time.monotonic() - t0}
 
@@ -152,8 +153,8 @@ def test_a_trainer_killed_at_each_moment_of_a_checkpoint_step_resumes(point: str
 
 def random_moment(i: int) -> dict[str, Any]:
     """The stress run's i-th moment: a pause point in steps 2..6 (cycled), or every third run a
-    kill after a random delay."""
+    kill at a random time after step 1..6 (a step of the tiny model takes ~0.3 s)."""
     rng = random.Random(i)
     if i % 3 == 2:
-        return {"kill_after": rng.uniform(0.0, 6.0)}
+        return {"step": rng.randint(2, 7), "delay": rng.uniform(0.0, 0.4)}
     return {"point": POINTS[i % len(POINTS)], "step": 2 + (i // len(POINTS)) % 5}
