@@ -191,6 +191,41 @@ async def test_resume_from_an_older_full_checkpoint_retrains_the_steps_since(sta
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1, 3]
 
 
+async def test_a_new_run_in_a_used_run_dir_keeps_what_it_publishes(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A run directory holding an older run's version-59/60 and checkpoint step-59: a new run
+    (--no-resume) prunes those first, never its own newest version or the one the sampler
+    serves, resumes later from its own checkpoint, and moves the old metrics file aside."""
+    from transformers import AutoModelForCausalLM
+
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    old = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    for version in (59, 60):
+        ckpt.publish_weights(run_dir / "published", version, old.state_dict(), old.config, dtype=torch.float32,
+                             step=version - 1)
+    ckpt.save_checkpoint(run_dir, 59, old)
+    (run_dir / "trainer_metrics.jsonl").write_text(json.dumps({"event": "step", "step": 59}) + "\n")
+
+    summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=3, checkpoint_every=2,
+                                    keep_published=1, keep_checkpoints=1, resume=False,
+                                    eval_at_start=False, eval_at_end=False))
+    assert summary["start_step"] == 0 and summary["final_version"] == 3
+    async with SamplerClient(sampler.url) as client:
+        served = await client.weights_version()
+    assert served.version == 3 and Path(served.checkpoint_path).is_dir()
+    assert [v for v, _ in ckpt.list_published(run_dir / "published")] == [3]
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [2]
+    assert [r["step"] for r in _records(run_dir, "step")] == [0, 1, 2]
+    archived = [p for p in run_dir.glob("trainer_metrics.*.jsonl") if "superseded" not in p.name]
+    assert len(archived) == 1 and '"step": 59' in archived[0].read_text()
+
+    # Resuming it continues from its own checkpoint (step-2), not the old run's step-59.
+    summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=4, checkpoint_every=2,
+                                    keep_published=1, eval_at_start=False, eval_at_end=False))
+    assert summary["start_step"] == 3 and summary["final_version"] == 4
+    assert [r["step"] for r in _records(run_dir, "step")] == [0, 1, 2, 3]
+
+
 def test_cli_refuses_a_batch_shape_mismatch(stack, tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     sampler, _ = stack
     code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url,
