@@ -195,6 +195,9 @@ def test_cli_exits_3_with_the_message_when_the_guard_stops(monkeypatch, tmp_path
                                      threshold=0.2, steps=[0])
 
     monkeypatch.setattr(trainer_module, "run", stopped)
-    code = trainer_main(["--model", "m", "--run-dir", str(tmp_path), "--no-progress"], prog="tandem trainer")
+    model = tmp_path / "model"  # the entrypoint checks --model is a model directory before `run`
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    code = trainer_main(["--model", str(model), "--run-dir", str(tmp_path), "--no-progress"], prog="tandem trainer")
     assert code == 3
     assert "tandem trainer: behaviour_mismatch was above" in capsys.readouterr().err
