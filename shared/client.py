@@ -193,9 +193,9 @@ class SamplerClient:
         give_up = None if timeout is None else started + timeout
         next_report = started + self.report_every
         while True:
-            if rank == 0 and time.monotonic() >= next_report:
-                # Rank 0 speaks for the job: every rank waits for the same batch.
-                await self._report_batch_wait(step, time.monotonic() - started, timeout)
+            if time.monotonic() >= next_report:
+                if rank == 0:  # rank 0 speaks for the job: every rank waits for the same batch
+                    await self._report_batch_wait(step, time.monotonic() - started, timeout)
                 next_report = time.monotonic() + self.report_every
             poll = min(self.poll_timeout, max(0.05, next_report - time.monotonic()))
             if give_up is not None:

@@ -175,14 +175,21 @@ async def test_a_slow_batch_is_waited_for_past_retry_for(make_sampler, standin, 
     httpx.post(f"{standin.url}/_standin/fail", params={"count": 10**9})  # builds fail: no batch yet
     sampler = make_sampler(generation_deadline=60, max_poll_timeout=5)
     async with SamplerClient(sampler.url, poll_timeout=5, retry_for=0.5, report_every=0.5) as client:
-        task = asyncio.create_task(client.get_batch(0))
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(client.get_batch(0, rank, 2)) for rank in (0, 1)]
         await asyncio.sleep(2.0)
-        assert not task.done()
+        assert not any(task.done() for task in tasks)
         httpx.post(f"{standin.url}/_standin/fail", params={"count": 0})
-        batch = await asyncio.wait_for(task, 30)
-    assert batch.step == 0
+        batches = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        took = time.monotonic() - t0
+    assert [b.step for b in batches] == [0, 0]
     waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for batch 0:")]
-    assert len(waits) >= 2, waits
+    # Rank 0 speaks for both, once per interval; rank 1 keeps long-polling quietly.
+    assert 2 <= len(waits) <= took / 0.5 + 1, (took, waits)
+    metrics = httpx.get(f"{sampler.url}/metrics", timeout=10).text
+    polls = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("tandem_sampler_http_requests_total{") and 'route="/batch"' in line)
+    assert 2 <= polls <= 2 * (took / 0.5 + 2), (took, polls)  # a poll per interval per rank, not a busy loop
     assert "1 of 1 inference server(s) in rotation" in waits[-1] or "attempt" in waits[-1], waits
 
 
