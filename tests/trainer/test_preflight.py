@@ -211,3 +211,23 @@ def test_the_trl_link_names_the_token_it_lacks(make_sampler) -> None:
         link.check_token()
     finally:
         link.close()
+
+
+def test_the_trainer_with_every_inference_server_down_speaks_then_stops_in_one_line(
+        make_sampler, tiny_model_dir: Path, tmp_path: Path, capsys, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tandem.client")
+    dead = f"http://127.0.0.1:{free_port()}"
+    sampler = make_sampler(inference_urls=[dead], generation_deadline=1.5, max_poll_timeout=5)
+    code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url, "--run-dir",
+                         str(tmp_path / "t"), "--per-device-batch-size", "4", "--grad-accum-steps", "4",
+                         "--no-progress", "--no-eval-at-start", "--no-eval-at-end", "--retry-for", "1.5",
+                         "--wait-log-interval", "0.5"], prog="tandem trainer")
+    assert code == 4
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    line = _last_line(err)
+    assert line.startswith(f"tandem trainer: GET /batch step=0 rank=0/1: the sampler at {sampler.url} kept failing"), line
+    assert "--retry-for / TANDEM_RETRY_FOR = 1.5s; raise it to wait longer" in line, line
+    assert "HTTP 503" in line and dead in line, line
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for batch 0:")]
+    assert waits and "0 of 1 inference server(s) in rotation" in waits[0] and dead in waits[0], waits
