@@ -70,3 +70,19 @@ def test_publication(tmp_path):
     (row,) = _written(tmp_path, "publication")["rows"]
     assert row == result["rows"][0]
     assert row["bytes_per_step_after"] < row["bytes_per_step_before"]
+
+
+def test_gpu_bench_runs_its_code_path_on_the_cpu(tmp_path):
+    """bench/bench_gpu.py is measured on a lent GPU only; its tiny CPU mode keeps the code path
+    (set_up_model, Learner, full_state_dict, publish_weights) from rotting in between."""
+    from bench import bench_gpu
+
+    out = tmp_path / "out"
+    code = bench_gpu.main(["--out", str(out), "--preset", "tiny", "--allow-cpu", "--steps", "2", "--warmup", "1",
+                           "--pub-repeats", "1", "--samples", "8", "--prompt-tokens", "8", "--completion-tokens", "8",
+                           "--grad-accum", "2", "--gc-grad-accum", "2", "--work-dir", str(tmp_path / "work")])
+    assert code == 0
+    result = json.loads((out / "gpu.json").read_text())
+    assert result["steps"] and all(s["step_s_median"] > 0 and s["tokens_per_s"] > 0 for s in result["steps"])
+    assert result["publication"] and all(p["bytes"] > 0 and p["publish_weights_s_median"] >= 0
+                                         for p in result["publication"])
