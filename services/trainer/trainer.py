@@ -339,6 +339,14 @@ class Trainer:
         # checkpoint (the sampler's version says how far it got; its metrics lines too).
         served = await self.client.weights_version()
         self.served_path = served.checkpoint_path
+        trimmed = (served.model_extra or {}).get("trimmed_below") or 0
+        if start_step < trimmed:
+            where = f"checkpoint {resumed_from}" if resumed_from else "no checkpoint in --run-dir"
+            raise SettingsError(
+                f"this run cannot continue from step {start_step} ({where}): the sampler at {s.sampler_url} is at "
+                f"version {served.version} and has deleted its batches below step {trimmed}. Point --run-dir at the "
+                f"run's own checkpoints (step {trimmed - 1} or later), or start afresh: the sampler with --fresh "
+                "(or a new namespace / run_dir) and this trainer with --no-resume")
         retrained = set(range(start_step, served.version))
         if world.is_main:
             history = metrics_history.prepare(

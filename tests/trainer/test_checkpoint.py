@@ -146,3 +146,32 @@ def test_published_versions_are_pruned_newest_kept(tmp_path, model) -> None:
     assert [v for v, _ in ckpt.list_published(tmp_path)] == [3, 4]
     with pytest.raises(ValueError, match="keep must be >= 1"):
         ckpt.prune_published(tmp_path, 0)
+
+
+def test_a_reused_publish_dir_prunes_the_old_runs_versions_first(tmp_path, model) -> None:
+    """A new run in a directory holding an older run's version-59/60 keeps what it just wrote:
+    newest means written last, not the highest number."""
+    for version in (59, 60):
+        ckpt.publish_weights(tmp_path, version, model.state_dict(), model.config, dtype=torch.float32, step=version - 1)
+    for version in (1, 2):
+        ckpt.publish_weights(tmp_path, version, model.state_dict(), model.config, dtype=torch.float32, step=version - 1)
+        ckpt.prune_published(tmp_path, 2)
+    assert [v for v, _ in ckpt.list_published(tmp_path)] == [1, 2]
+
+
+def test_pruning_spares_the_version_the_sampler_serves(tmp_path, model) -> None:
+    """A resumed run writes versions the sampler already passed (it serves the dead run's
+    version-9): those are pruned, the served one is not."""
+    for version in (8, 9, 6, 7, 8):
+        ckpt.publish_weights(tmp_path, version, model.state_dict(), model.config, dtype=torch.float32, step=version - 1)
+        ckpt.prune_published(tmp_path, 2, protect=(tmp_path / "version-9",))
+    assert [v for v, _ in ckpt.list_published(tmp_path)] == [7, 8, 9]
+
+
+def test_a_resume_starts_from_the_checkpoint_written_last(tmp_path, model) -> None:
+    ckpt.save_checkpoint(tmp_path, 59, model)
+    ckpt.save_checkpoint(tmp_path, 9, model)  # a new run (--no-resume) in the same run_dir
+    assert ckpt.latest_checkpoint(tmp_path)[0] == 9
+    ckpt.save_checkpoint(tmp_path, 19, model)
+    ckpt.prune_checkpoints(tmp_path, 2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [9, 19]

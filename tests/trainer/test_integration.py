@@ -24,7 +24,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.entrypoint import main as trainer_main
 from services.trainer.trainer import batch_digest, train
 from shared.client import SamplerClient
-from shared.settings import build
+from shared.settings import SettingsError, build
 from tests.support.servers import kill_embedded_redis, REPO, UvicornThread, free_port, start_sampler_process
 
 ENV = "tests.trainer.letter_env:LetterEnv"
@@ -224,6 +224,21 @@ async def test_a_new_run_in_a_used_run_dir_keeps_what_it_publishes(stack, tiny_m
                                     keep_published=1, eval_at_start=False, eval_at_end=False))
     assert summary["start_step"] == 3 and summary["final_version"] == 4
     assert [r["step"] for r in _records(run_dir, "step")] == [0, 1, 2, 3]
+
+
+async def test_a_trainer_that_cannot_continue_the_samplers_run_says_so_before_training(stack, tiny_model_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    """A sampler 12 versions into a run whose early batches are gone, and a trainer with no
+    checkpoint (a new --run-dir): refused at start-up with the way out, not a 410 at step 0."""
+    sampler, _ = stack
+    async with SamplerClient(sampler.url, api_token=TOKEN) as client:
+        await client.publish_weights(12, None, resume_step=12)
+    with pytest.raises(SettingsError) as refused:
+        await train(_settings(tiny_model_dir, sampler, tmp_path / "new", eval_at_start=False, eval_at_end=False))
+    message = str(refused.value)
+    assert "cannot continue from step 0 (no checkpoint in --run-dir)" in message
+    assert "deleted its batches below step 4" in message and "--fresh" in message and "--no-resume" in message
+    assert not (tmp_path / "new" / "trainer_metrics.jsonl").exists()
 
 
 def test_cli_refuses_a_batch_shape_mismatch(stack, tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
