@@ -6,7 +6,9 @@ message names the numbers; services/trainer/preflight.py); 3 when the run stoppe
 inference servers' logprobs kept disagreeing with the trainer's (`max_behaviour_mismatch`;
 the message says what to check, and the last step's checkpoint is written); 4 when the
 sampler could not be reached, or kept failing, for `retry_for` seconds (one line with the
-last error). Under `torchrun` every rank runs this same command; rank 0 prints the summary.
+last error); 5 when the disk holding the run directory (or publish_dir) is full (one line: the
+directory, the space needed and free; nothing committed is lost, so freeing space and running
+the same command again continues the run). Under `torchrun` every rank runs this same command; rank 0 prints the summary.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from services.trainer.checkpoint import DiskFullError
 from services.trainer.config import TrainerSettings
 from services.trainer.mismatch import BehaviourMismatchError
 from services.trainer.preflight import check_model
@@ -35,6 +38,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         # A diagnosis, not a crash: the message without a traceback.
         print(f"{prog or 'tandem trainer'}: {exc}", file=sys.stderr)
         return 3
+    except DiskFullError as exc:
+        # Checked before each checkpoint and version is written: nothing committed was lost.
+        print(f"{prog or 'tandem trainer'}: {exc.strerror}", file=sys.stderr)
+        return 5
     except SamplerUnavailable as exc:
         # The client logged the wait every wait_log_interval; its end needs no traceback.
         print(f"{prog or 'tandem trainer'}: {exc}", file=sys.stderr)

@@ -547,9 +547,9 @@ class Trainer:
         needed = ckpt.checkpoint_bytes(full, optimizer=s.save_optimizer) if world.is_main else 0
         try:
             if world.is_main:
+                await self.drill.point("checkpoint", step)
                 # Refused before anything is written: a full disk costs no committed checkpoint.
                 ckpt.ensure_space(root, needed, what)
-                await self.drill.point("checkpoint", step)
                 tmp = await self._in_thread(ckpt.begin_checkpoint, s.run_dir, step)
             await self._in_thread(world.barrier)
             with ckpt.disk_errors(root, needed, what):

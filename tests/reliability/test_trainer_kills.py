@@ -24,6 +24,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -60,58 +61,35 @@ def trainer_argv(model: Path, url: str, run_dir: Path) -> list[str]:
             "--no-eval-at-end", "--poll-timeout", "10"]
 
 
-def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | None = None, step: int = KILL_STEP,
-                    delay: float = 0.0) -> dict[str, Any]:
-    """One drill: the trainer killed -9 at pause point `point` of step `step`, or without a
-    point `delay` seconds after the metrics line of step `step - 1` (anywhere in step `step`
-    or the next), then the same command run again to the end. Returns what the stress report
-    needs; raises AssertionError naming what broke."""
+def start_stack(tmp: Path, cleanup: Cleanup, model: Path) -> ServiceProcess:
+    """A real CPU inference server and a sampler process (embedded Redis, keep_batches 1)."""
     from services.inference.config import InferenceSettings
     from services.inference.server import create_app
 
     inference = UvicornThread(create_app(InferenceSettings(model=str(model)))).start()
     cleanup.add(inference.stop)
-    sampler_dir, run_dir, drill_dir = tmp / "sampler", tmp / "trainer", tmp / "drill"
+    sampler_dir = tmp / "sampler"
     cleanup.add(lambda: kill_embedded_redis(sampler_dir))
     sampler = start_sampler_process(sampler_dir, inference_urls=[inference.url], env=ENV, prompts_per_step=2,
                                     num_generations=4, max_tokens=8, max_staleness=1, keep_batches=1)
     cleanup.add(lambda: stop_process(sampler))
-    url = sampler.url
-    argv = trainer_argv(model, url, run_dir)
-    env = {"OMP_NUM_THREADS": "1"}
+    return sampler
 
-    first = ServiceProcess(argv, name="trainer", log_path=tmp / "trainer-1.log",
-                           env={**env, "TANDEM_TRAINER_DRILL_PAUSE": f"{point}:{step}" if point else "",
-                                "TANDEM_DRILL_DIR": str(drill_dir)})
-    cleanup.add(lambda: stop_process(first))
 
-    def logs() -> str:
-        return (f"first trainer:\n{first.log_tail(3000)}\nsecond trainer:\n"
-                f"{second.log_tail(4000) if second else '-'}\nsampler:\n{sampler.log_tail(2000)}")
+def start_trainer(tmp: Path, cleanup: Cleanup, model: Path, url: str, run_dir: Path, name: str,
+                  pause: str = "") -> ServiceProcess:
+    """The trainer command; `pause` ("point:step") stops it at that drill point."""
+    env = {"OMP_NUM_THREADS": "1", "TANDEM_TRAINER_DRILL_PAUSE": pause, "TANDEM_DRILL_DIR": str(tmp / "drill")}
+    proc = ServiceProcess(trainer_argv(model, url, run_dir), name="trainer", log_path=tmp / f"{name}.log", env=env)
+    cleanup.add(lambda: stop_process(proc))
+    return proc
 
-    second = None
-    if point is not None:
-        marker = drill_dir / f"{point}-{step}"
-        wait_for(lambda: marker.exists() or first.popen.poll() is not None, 180, f"the trainer to reach {point} {step}",
-                 detail=logs)
-        assert first.popen.poll() is None, f"the trainer exited before {point} {step}\n{logs()}"
-    else:
-        wait_for(lambda: sum(r.get("event") == "step" for r in _records(run_dir)) >= step
-                 or first.popen.poll() is not None, 180, f"the trainer's step {step - 1}", detail=logs)
-        time.sleep(delay)
-        assert first.popen.poll() is None, f"the run ended before the kill; nothing was tested\n{logs()}"
-    first.kill()
-    published_at_kill = httpx.get(f"{url}/weights_version", timeout=30).json()["version"]
-    checkpoint_at_kill = ckpt.latest_checkpoint(run_dir)
-    resume_at = checkpoint_at_kill[0] + 1 if checkpoint_at_kill else 0
 
-    t0 = time.monotonic()
-    second = ServiceProcess(argv, name="trainer", log_path=tmp / "trainer-2.log", env=env)
-    cleanup.add(lambda: stop_process(second))
-    wait_for(lambda: second.popen.poll() is not None, 240, "the rerun to finish", interval=0.2, detail=logs)
-    assert second.popen.returncode == 0, f"the rerun failed\n{logs()}"
-    assert "Traceback" not in second.log_tail(100_000), logs()
-
+def check_finished(run_dir: Path, url: str, *, resume_at: int, published_at_kill: int,
+                   logs: Callable[[], str]) -> list[int]:
+    """After the rerun: one record per step, the retrained ones marked, the same batches, the
+    final version served from a directory that exists, nothing staged left. Returns the
+    retrained steps."""
     records = _records(run_dir)
     steps = [r for r in records if r.get("event") == "step"]
     numbers = [r["step"] for r in steps]
@@ -133,6 +111,45 @@ def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | No
     assert Path(served["checkpoint_path"]).is_dir(), f"the served {served['checkpoint_path']} was deleted"
     leftovers = list(run_dir.glob("*/.tmp-*"))
     assert not leftovers, f"staging directories left behind: {leftovers}"
+    return retrained
+
+
+def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | None = None, step: int = KILL_STEP,
+                    delay: float = 0.0) -> dict[str, Any]:
+    """One drill: the trainer killed -9 at pause point `point` of step `step`, or without a
+    point `delay` seconds after the metrics line of step `step - 1` (anywhere in step `step`
+    or the next), then the same command run again to the end. Returns what the stress report
+    needs; raises AssertionError naming what broke."""
+    sampler = start_stack(tmp, cleanup, model)
+    url, run_dir = sampler.url, tmp / "trainer"
+    first = start_trainer(tmp, cleanup, model, url, run_dir, "trainer-1", f"{point}:{step}" if point else "")
+    second = None
+
+    def logs() -> str:
+        return (f"first trainer:\n{first.log_tail(3000)}\nsecond trainer:\n"
+                f"{second.log_tail(4000) if second else '-'}\nsampler:\n{sampler.log_tail(2000)}")
+
+    if point is not None:
+        marker = tmp / "drill" / f"{point}-{step}"
+        wait_for(lambda: marker.exists() or first.popen.poll() is not None, 180, f"the trainer to reach {point} {step}",
+                 detail=logs)
+        assert first.popen.poll() is None, f"the trainer exited before {point} {step}\n{logs()}"
+    else:
+        wait_for(lambda: sum(r.get("event") == "step" for r in _records(run_dir)) >= step
+                 or first.popen.poll() is not None, 180, f"the trainer's step {step - 1}", detail=logs)
+        time.sleep(delay)
+        assert first.popen.poll() is None, f"the run ended before the kill; nothing was tested\n{logs()}"
+    first.kill()
+    published_at_kill = httpx.get(f"{url}/weights_version", timeout=30).json()["version"]
+    checkpoint_at_kill = ckpt.latest_checkpoint(run_dir)
+    resume_at = checkpoint_at_kill[0] + 1 if checkpoint_at_kill else 0
+
+    t0 = time.monotonic()
+    second = start_trainer(tmp, cleanup, model, url, run_dir, "trainer-2")
+    wait_for(lambda: second.popen.poll() is not None, 240, "the rerun to finish", interval=0.2, detail=logs)
+    assert second.popen.returncode == 0, f"the rerun failed\n{logs()}"
+    assert "Traceback" not in second.log_tail(100_000), logs()
+    retrained = check_finished(run_dir, url, resume_at=resume_at, published_at_kill=published_at_kill, logs=logs)
     return {"moment": f"{point} {step}" if point else f"{delay:.2f}s after step {step - 1}",
             "published_at_kill": published_at_kill, "resumed_at": resume_at, "retrained": len(retrained),
             "recovered": time.monotonic() - t0}
@@ -158,3 +175,54 @@ def random_moment(i: int) -> dict[str, Any]:
     if i % 3 == 2:
         return {"step": rng.randint(2, 7), "delay": rng.uniform(0.0, 0.4)}
     return {"point": POINTS[i % len(POINTS)], "step": 2 + (i // len(POINTS)) % 5}
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_trainer_in_one_line_and_the_same_command_continues(
+        tmp_path: Path, tiny_model: Path, cleanup: Cleanup) -> None:
+    """The run directory on a small tmpfs (a real full disk; root only), filled while the
+    trainer waits at checkpoint step-5: it stops with exit 5 and one line naming the directory
+    and the space, writes nothing half, and after space is freed the same command continues."""
+    import shutil
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {made.stderr.strip()}")
+    cleanup.add(lambda: subprocess.run(["umount", "-l", str(disk)], check=False))
+    sampler = start_stack(tmp_path, cleanup, tiny_model)
+    url, run_dir = sampler.url, disk / "trainer"
+    first = start_trainer(tmp_path, cleanup, tiny_model, url, run_dir, "trainer-1", f"checkpoint:{KILL_STEP}")
+    second = None
+
+    def logs() -> str:
+        return (f"first trainer:\n{first.log_tail(3000)}\nsecond trainer:\n"
+                f"{second.log_tail(4000) if second else '-'}\nsampler:\n{sampler.log_tail(2000)}")
+
+    marker = tmp_path / "drill" / f"checkpoint-{KILL_STEP}"
+    wait_for(lambda: marker.exists() or first.popen.poll() is not None, 180, "checkpoint step-5", detail=logs)
+    committed = ckpt.latest_checkpoint(run_dir)
+    assert committed is not None and committed[0] == 2, logs()
+    before = sorted((p.name, p.stat().st_size) for p in committed[1].iterdir())
+    free = shutil.disk_usage(disk).free
+    (disk / "ballast").write_bytes(b"\0" * (free - 700_000))  # a version fits, a checkpoint does not
+    marker.unlink()
+    wait_for(lambda: first.popen.poll() is not None, 60, "the trainer to stop on the full disk", detail=logs)
+    assert first.popen.returncode == 5, logs()
+    last = first.log_tail(100_000).strip().splitlines()[-1]
+    assert last.startswith("tandem trainer: not enough disk space for checkpoint step-5 in "), logs()
+    assert str(run_dir / "checkpoints") in last and "needs about" in last and "free" in last, last
+    assert "Traceback" not in first.log_tail(100_000), logs()
+    assert not list(run_dir.glob("*/.tmp-*")), "a staging directory was left behind"
+    assert ckpt.latest_checkpoint(run_dir) == committed
+    assert sorted((p.name, p.stat().st_size) for p in committed[1].iterdir()) == before
+    published_at_stop = httpx.get(f"{url}/weights_version", timeout=30).json()["version"]
+
+    (disk / "ballast").unlink()
+    second = start_trainer(tmp_path, cleanup, tiny_model, url, run_dir, "trainer-2")
+    wait_for(lambda: second.popen.poll() is not None, 240, "the rerun to finish", interval=0.2, detail=logs)
+    assert second.popen.returncode == 0, logs()
+    check_finished(run_dir, url, resume_at=3, published_at_kill=published_at_stop, logs=logs)
