@@ -13,17 +13,23 @@ and writes the same to `run_dir/trainer_summary.json` (rank 0).
 
 `Trainer.run` reads top to bottom: `start()`, then `step(N)` for each step, then `finish()`.
 
-Start-up (`Trainer.start`): GET /status supplies the sampler's batch shape, temperature,
-max_tokens and max_staleness; a batch-shape or reuse disagreement (shared/contract.py) stops
-the trainer with a message naming the numbers. Then the process's place in the job
-(services/trainer/world.py), how parameters are spread over the ranks
-(services/trainer/sharding.py: ddp or fsdp), and the model, optimizer and reference model
-(services/trainer/model_setup.py); with a full checkpoint in run_dir/checkpoints (and
-`resume`) the run continues at step = its version, and rank 0 publishes and announces that
-version again, in case the previous run died between saving and publishing. When the
-sampler is already past it (the run died after publishing later versions), the sampler
-keeps what it serves and the trainer re-trains the steps since the checkpoint on the same
-batches, publishing from the first version the sampler has not seen.
+Start-up (`Trainer.start`): GET /status (retried, with a line every `wait_log_interval`, for
+`retry_for` seconds) supplies the sampler's batch shape, temperature, max_tokens and
+max_staleness; a batch-shape, reuse or retention disagreement (shared/contract.py) stops the
+trainer with a message naming the numbers, and so do a token the sampler refuses (`GET
+/auth`) and a `--model` that is no model (services/trainer/preflight.py), all before the
+model loads. Then the process's place in the job (services/trainer/world.py), how parameters
+are spread over the ranks (services/trainer/sharding.py: ddp or fsdp), and the model,
+optimizer and reference model (services/trainer/model_setup.py); with a full checkpoint in
+run_dir/checkpoints (and `resume`) the run continues at step = its version, and rank 0
+publishes and announces that version again, in case the previous run died between saving
+and publishing. When the sampler is already past it (the run died after publishing later
+versions), the trainer re-trains the steps since the checkpoint on the same batches (the
+sampler kept them: every version carries the trainer's `resume_step`, the step after its
+newest checkpoint), marks their records `retrained`, and publishes from the first version
+the sampler has not seen; the metrics file is repaired first
+(services/trainer/metrics_history.py). A sampler that has already deleted the batches the
+resume needs is refused here, naming the way out.
 
 Per step N (`Trainer.step`), on every rank:
   1. `GET /batch?step=N&rank=R&world_size=W` (prefetched during step N-1 when the
