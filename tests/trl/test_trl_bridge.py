@@ -151,7 +151,9 @@ def test_refuses_a_config_that_disagrees_with_the_sampler(make_sampler, tmp_path
             assert word in str(refused.value), (overrides, str(refused.value))
 
     # TRL scores the full distribution: a truncating sampler is refused, naming its settings.
-    truncating = make_sampler(prompts_per_step=4, num_generations=4, temperature=1.0, top_p=0.9, top_k=20)
+    # Another run, so in a namespace of its own (a sampler refuses one holding another run).
+    truncating = make_sampler(prompts_per_step=4, num_generations=4, temperature=1.0, top_p=0.9, top_k=20,
+                              namespace=f"{sampler.settings.namespace}-truncating")
     with pytest.raises(ContractError) as refused:
         TandemGRPOTrainer(missing_model, args=GRPOConfig(**base), sampler_url=truncating.url)
     assert "top_k 20, top_p 0.9" in str(refused.value) and "TRL's GRPOTrainer" in str(refused.value)
