@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import redis as redis_py
 
-from tests.reliability.support import embedded_redis
+from tests.reliability.support import embedded_redis, wait_for
 from tests.support.servers import REPO, free_port, kill_embedded_redis, sampler_argv, start_sampler_process
 
 SHAPE = dict(env="tests.support.envs:CountEnv", prompts_per_step=2, num_generations=2, max_tokens=4)
@@ -36,6 +36,7 @@ def test_a_run_dir_refuses_another_shape_and_seed_and_fresh_starts_afresh(run_di
     sampler = start_sampler_process(run_dir, inference_urls=[standin.url], **SHAPE)
     try:
         first = batch(sampler.url).content
+        wait_for(lambda: list((run_dir / "rollouts").glob("*.parquet")), 30, "batch 0's rollout file")
         assert sampler.terminate() in (0, -15)
 
         line = refused(run_dir, inference_urls=[standin.url], **{**SHAPE, "prompts_per_step": 3, "seed": 1})
@@ -58,6 +59,9 @@ def test_a_run_dir_refuses_another_shape_and_seed_and_fresh_starts_afresh(run_di
         assert len(batch(sampler.url).json()["samples"]) == 3 * 2
         assert httpx.get(f"{sampler.url}/weights_version").json()["version"] == 0
         assert "deleted the" in sampler.log_tail() and "key(s)" in sampler.log_tail()
+        # The old run's rollout files are set aside, not mixed with the new run's.
+        [aside] = run_dir.glob("rollouts.before-*")
+        assert (aside / "step-000000.parquet").exists()
     finally:
         sampler.terminate()
         kill_embedded_redis(run_dir)
