@@ -74,7 +74,7 @@ def identity(settings: SamplerSettings) -> dict[str, Any]:
 
 
 def differences(stored: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-    """'name: stored X, given Y' for each setting both record with other values. A setting the
+    """'name X stored, Y given' for each setting both record with other values. A setting the
     stored identity lacks (recorded by an older sampler) is not compared."""
     return [f"{name} {_show(stored[name])} stored, {_show(mine[name])} given"
             for name in mine if name in stored and stored[name] != mine[name]]
