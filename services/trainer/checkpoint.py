@@ -69,6 +69,9 @@ class DiskFullError(OSError):
     """Not enough disk space for a checkpoint or a published version; the message names the
     directory, the space needed and the space free. Nothing half-written is left behind."""
 
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
 
 def tensor_bytes(state_dict: dict[str, Any] | None) -> int:
     return sum(t.numel() * t.element_size() for t in (state_dict or {}).values())
@@ -210,16 +213,21 @@ def copy_tokenizer_files(model_dir: Path | str, dest: Path | str) -> list[str]:
     return copied
 
 
-def _fsync_tree(path: Path) -> None:
-    for entry in path.iterdir():
-        if entry.is_file():
-            with open(entry, "rb") as fh:
-                os.fsync(fh.fileno())
+def fsync_dir(path: Path) -> None:
+    """fsync a directory: what makes a rename in it survive a power cut."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for entry in path.iterdir():
+        if entry.is_file():
+            with open(entry, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(path)
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -233,11 +241,7 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(final.parent)
 
 
 @contextmanager

@@ -27,25 +27,20 @@ from shared.client import SamplerUnavailable
 from shared.settings import SettingsError, load
 
 
+# Refusals and diagnoses, not crashes: the message alone, then this exit status.
+#   2 settings (SystemExit with an int code prints nothing by itself: say why first);
+#   3 the inference servers' logprobs kept disagreeing; 4 the sampler stayed unreachable (the
+#   client logged the wait every wait_log_interval); 5 a full disk (checked before each
+#   checkpoint and version is written: nothing committed was lost).
+EXIT_STATUS = ((SettingsError, 2), (BehaviourMismatchError, 3), (SamplerUnavailable, 4), (DiskFullError, 5))
+
+
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     try:
         return _main(argv, prog)
-    except SettingsError as exc:
-        # SystemExit with an int code prints nothing by itself: say why before exiting 2.
-        print(f"{prog or 'tandem trainer'}: {exc.message}", file=sys.stderr)
-        return 2
-    except BehaviourMismatchError as exc:
-        # A diagnosis, not a crash: the message without a traceback.
+    except tuple(kind for kind, _ in EXIT_STATUS) as exc:
         print(f"{prog or 'tandem trainer'}: {exc}", file=sys.stderr)
-        return 3
-    except DiskFullError as exc:
-        # Checked before each checkpoint and version is written: nothing committed was lost.
-        print(f"{prog or 'tandem trainer'}: {exc.strerror}", file=sys.stderr)
-        return 5
-    except SamplerUnavailable as exc:
-        # The client logged the wait every wait_log_interval; its end needs no traceback.
-        print(f"{prog or 'tandem trainer'}: {exc}", file=sys.stderr)
-        return 4
+        return next(code for kind, code in EXIT_STATUS if isinstance(exc, kind))
 
 
 def _main(argv: Sequence[str] | None, prog: str | None) -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.trainer.checkpoint import fsync_dir
 from services.trainer.metrics import json_safe
 
 log = logging.getLogger("tandem.trainer.metrics")
@@ -72,11 +73,7 @@ def _write_atomically(path: Path, records: list[dict[str, Any]], mode: str = "w"
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _is_step(record: dict[str, Any]) -> bool:
