@@ -38,7 +38,8 @@ class Publisher:
         self.dtype = dtype
 
     def publish(self, version: int, step: int, model: Any, state_dict: dict[str, Any],
-                probe_sample: Sample | None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+                probe_sample: Sample | None, metrics: dict[str, float] | None = None,
+                resume_step: int | None = None) -> dict[str, Any]:
         """Version `version` (= step + 1) of `model` (unwrapped; `state_dict` its full weights) out to
         the sampler; returns timings and the path for the caller's log."""
         dtype = self.dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -55,7 +56,7 @@ class Publisher:
             with compute:
                 probe = compute_probe(model, ids, DTYPE_NAMES.get(dtype))
         t_probe = time.monotonic()
-        fresh = self.link.publish(version, str(path), probe=probe, metrics=metrics)
+        fresh = self.link.publish(version, str(path), probe=probe, metrics=metrics, resume_step=resume_step)
         t_post = time.monotonic()
         # Only after publishing, so the previous version stays on disk while servers switch.
         ckpt.prune_published(self.root, self.keep)

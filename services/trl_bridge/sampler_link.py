@@ -89,10 +89,12 @@ class SamplerLink:
     # -- writing -----------------------------------------------------------------------------
 
     def publish(self, version: int, path: str | None, *, probe: dict[str, Any] | None = None,
-                metrics: dict[str, float] | None = None) -> bool:
-        """POST /weights_version; False when the sampler already had this version (a resumed run)."""
+                metrics: dict[str, float] | None = None, resume_step: int | None = None) -> bool:
+        """POST /weights_version; False when the sampler already had this version (a resumed run).
+        `resume_step`: the batch a restart from TRL's newest checkpoint trains first (kept for it)."""
         try:
-            self._run(self._client.publish_weights(version, path, probe=probe, metrics=metrics))
+            self._run(self._client.publish_weights(version, path, probe=probe, metrics=metrics,
+                                                   resume_step=resume_step))
         except VersionConflict:
             return False
         return True

@@ -134,6 +134,7 @@ class TandemGRPOTrainer(GRPOTrainer):
         # per version published (main process).
         self.tandem_batches: list[dict[str, Any]] = []
         self.tandem_publications: list[dict[str, Any]] = []
+        self.tandem_resume_step: int | None = None  # set by _PublishEachVersion: the batch a restart trains first
         self._probe_sample = None
         # A batch whose loss tokens all have advantage 0 (and no KL term) has nothing to teach, but
         # AdamW would still move the weights by its momentum: on the toy task that made one seed of
@@ -301,7 +302,7 @@ class TandemGRPOTrainer(GRPOTrainer):
             metrics = {k: float(v) for k, v in list(self._step_metrics.items())[:MAX_METRICS]
                        if isinstance(v, (int, float)) and math.isfinite(v)}
             info = self.publisher.publish(version, version - 1, acc.unwrap_model(self.model), state_dict,
-                                          self._probe_sample, metrics=metrics)
+                                          self._probe_sample, metrics=metrics, resume_step=self.tandem_resume_step)
             self.tandem_publications.append({"version": version, "global_step": self.state.global_step,
                                              "at": time.time(), **info})
             fetched = self.tandem_batches[-1] if self.tandem_batches else {}
@@ -397,6 +398,7 @@ class _PublishEachVersion(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._note_checkpoint(args, state)  # a resumed run starts from one
         version = version_after(state.global_step, self.trainer.num_iterations)
         if state.global_step > 0 and version is not None:
             self.trainer.publish_version(version)
@@ -405,3 +407,13 @@ class _PublishEachVersion(TrainerCallback):
         version = version_after(state.global_step, self.trainer.num_iterations)
         if version is not None:
             self.trainer.publish_version(version)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._note_checkpoint(args, state)  # TRL calls this once the checkpoint is written
+
+    def _note_checkpoint(self, args: Any, state: Any) -> None:
+        """The batch a restart from TRL's newest checkpoint trains first, sent with every version
+        so that the sampler keeps it (docs/sampler-api.md, `resume_step`). Without checkpoints
+        (`save_strategy="no"`) there is nothing to resume, and the sampler keeps keep_batches."""
+        saves = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+        self.trainer.tandem_resume_step = tandem_step(state.global_step, self.trainer.num_iterations) if saves else None

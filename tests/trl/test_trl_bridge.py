@@ -6,12 +6,14 @@ a model, and it runs as two ranks under `accelerate launch`."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -260,13 +262,14 @@ def test_a_step_without_signal_leaves_the_weights_alone(make_toy_stack, tiny_mod
 
 def test_resume_from_a_trl_checkpoint_continues_with_the_next_batch(make_toy_stack, tiny_model_dir: Path,
                                                                     tmp_path: Path) -> None:
-    """TRL's own checkpoints: a run saved after optimizer step 2 and resumed with
-    `train(resume_from_checkpoint=True)` announces version 2 again (the previous run may have died
-    between saving and publishing), then trains on batches 2 and 3, the ones an uninterrupted run
-    would have used, and publishes 3 and 4."""
-    sampler, _ = make_toy_stack(prompts_per_step=2, num_generations=4, eval_examples=4)
+    """TRL's own checkpoints: a run saved after optimizer step 2 that went on to version 4 (as if
+    killed before its next save) and is resumed with `train(resume_from_checkpoint=True)`
+    announces version 2 again, then trains on batches 2, 3 and 4, the ones an uninterrupted
+    run would have used: with keep_batches 1 only the resume step it sent with each version
+    (2, once checkpoint-2 was written) kept batch 2 for it."""
+    sampler, _ = make_toy_stack(prompts_per_step=2, num_generations=4, eval_examples=4, keep_batches=1)
     out = tmp_path / "out"
-    first = TandemGRPOTrainer(str(tiny_model_dir), args=_config(out, sampler.url, 2, 8, save_strategy="steps",
+    first = TandemGRPOTrainer(str(tiny_model_dir), args=_config(out, sampler.url, 4, 8, save_strategy="steps",
                                                                save_steps=2),
                               sampler_url=sampler.url, api_token=TOKEN, probe_tokens=0)
     try:
@@ -274,16 +277,20 @@ def test_resume_from_a_trl_checkpoint_continues_with_the_next_batch(make_toy_sta
     finally:
         first.close()
     assert (out / "checkpoint-2").is_dir()
+    shutil.rmtree(out / "checkpoint-4")  # killed before it was written
+    status = httpx.get(f"{sampler.url}/status", timeout=30).json()
+    assert status["versions"]["published"] == 4 and status["steps"]["resume_step"] == 2
+    assert status["steps"]["trimmed_below"] == 2  # held; keep_batches 1 alone would delete batch 2
 
-    second = TandemGRPOTrainer(str(tiny_model_dir), args=_config(out, sampler.url, 4, 8, save_strategy="no"),
+    second = TandemGRPOTrainer(str(tiny_model_dir), args=_config(out, sampler.url, 5, 8, save_strategy="no"),
                                sampler_url=sampler.url, api_token=TOKEN, probe_tokens=0)
     try:
         second.train(resume_from_checkpoint=True)
     finally:
         second.close()
-    assert [b["batch_step"] for b in second.tandem_batches] == [2, 3]
-    assert [p["version"] for p in second.tandem_publications] == [2, 3, 4]
-    assert _served(sampler.url).version == 4
+    assert [b["batch_step"] for b in second.tandem_batches] == [2, 3, 4]
+    assert [p["version"] for p in second.tandem_publications] == [2, 3, 4, 5]
+    assert _served(sampler.url).version == 5
 
 
 class _NaNLossAtStep1(TandemGRPOTrainer):
