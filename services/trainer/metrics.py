@@ -4,7 +4,7 @@
 it happens, so a crashed run keeps everything up to the crash and a resumed run appends:
 
 * `{"event": "step", "step": N, "version": N+1, "loss": ..., "reward_mean": ..., ...}`
-  after every optimizer step (keys: `step_record` in services/trainer/trainer.py);
+  after every optimizer step (keys: `step_record` in services/trainer/step_record.py);
 * `{"event": "eval", "step": N, "version": v, "reward": ..., "result": {...}}` when an
   eval result arrives;
 * `{"event": "start" | "end", ...}` around a run.

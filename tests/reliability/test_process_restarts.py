@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.trainer.trainer import batch_digest
+from services.trainer.step_record import batch_digest
 from shared.client import SamplerClient
 from tests.reliability.support import (
     Cleanup,

@@ -32,7 +32,7 @@ import pytest
 
 from services.trainer import checkpoint as ckpt
 from services.trainer.drill import POINTS
-from services.trainer.trainer import batch_digest
+from services.trainer.step_record import batch_digest
 from shared.client import SamplerClient
 from tests.reliability.support import Cleanup, kill_embedded_redis, stop_process, wait_for
 from tests.support.servers import ServiceProcess, UvicornThread, start_sampler_process

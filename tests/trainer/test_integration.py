@@ -22,7 +22,8 @@ import torch
 from services.trainer import checkpoint as ckpt
 from services.trainer.config import TrainerSettings
 from services.trainer.entrypoint import main as trainer_main
-from services.trainer.trainer import batch_digest, train
+from services.trainer.step_record import batch_digest
+from services.trainer.trainer import train
 from shared.client import SamplerClient
 from shared.settings import SettingsError, build
 from tests.support.servers import kill_embedded_redis, REPO, UvicornThread, free_port, start_sampler_process

@@ -17,7 +17,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.entrypoint import main as trainer_main
 from services.trainer.mismatch import BehaviourMismatchError, MismatchGuard
 from services.trainer.probe import compute_probe, probe_token_ids, saved_dtype
-from services.trainer.trainer import published_metrics
+from services.trainer.step_record import published_metrics
 from shared.probe import Probe, compare
 from shared.settings import build
 from shared.wire import WeightsVersionRequest

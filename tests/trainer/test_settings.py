@@ -6,7 +6,8 @@ import pytest
 
 from services.trainer.config import TrainerSettings
 from services.trainer.entrypoint import main
-from services.trainer.trainer import accept_sampler_config, learning_rate, resolve_temperature
+from services.trainer.agreement import accept_sampler_config, resolve_temperature
+from services.trainer.step_record import learning_rate
 from shared.contract import SamplerConfig
 from shared.settings import SettingsError, build
 
