@@ -438,7 +438,7 @@ class Trainer:
                 await self._in_thread(world.barrier)
                 if world.is_main:
                     # The step's metrics ride along: a kill before its metrics line is written
-                    # loses no record (services/trainer/metrics.py, `reconcile`).
+                    # loses no record (services/trainer/metrics_history.py, `prepare`).
                     state.last_checkpoint = await self._in_thread(
                         ckpt.commit_checkpoint, s.run_dir, step, tmp, model=self.model, state_dict=full,
                         model_dir=s.model,
