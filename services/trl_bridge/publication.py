@@ -58,7 +58,8 @@ class Publisher:
         t_probe = time.monotonic()
         fresh = self.link.publish(version, str(path), probe=probe, metrics=metrics, resume_step=resume_step)
         t_post = time.monotonic()
-        # Only after publishing, so the previous version stays on disk while servers switch.
-        ckpt.prune_published(self.root, self.keep)
+        # Only after publishing, so the previous version stays on disk while servers switch; and
+        # never the one the sampler serves (a resumed run's re-announced versions are not served).
+        ckpt.prune_published(self.root, self.keep, protect=(self.link.served_path, path))
         return {"path": str(path), "fresh": fresh, "write_s": t_write - t0, "probe_s": t_probe - t_write,
                 "publish_s": t_post - t_probe, "probed": probe is not None}

@@ -28,6 +28,9 @@ class SamplerLink:
                  batch_timeout: float | None = None, not_ready_grace: float = 60.0):
         self.url = url
         self.api_token = api_token
+        # The checkpoint the sampler serves, as its last answer to `publish` said: what pruning
+        # must spare (a server that restarts loads it).
+        self.served_path: str | None = None
         self.batch_timeout = batch_timeout
         self.not_ready_grace = not_ready_grace
         self._loop = asyncio.new_event_loop()
@@ -93,10 +96,13 @@ class SamplerLink:
         """POST /weights_version; False when the sampler already had this version (a resumed run).
         `resume_step`: the batch a restart from TRL's newest checkpoint trains first (kept for it)."""
         try:
-            self._run(self._client.publish_weights(version, path, probe=probe, metrics=metrics,
-                                                   resume_step=resume_step))
+            served = self._run(self._client.publish_weights(version, path, probe=probe, metrics=metrics,
+                                                            resume_step=resume_step))
         except VersionConflict:
+            # A resumed run re-announcing an older version: the sampler keeps serving its own.
+            self.served_path = self._run(self._client.weights_version()).checkpoint_path
             return False
+        self.served_path = served.checkpoint_path
         return True
 
     def published_version(self) -> int:

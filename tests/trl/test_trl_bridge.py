@@ -284,12 +284,26 @@ def test_resume_from_a_trl_checkpoint_continues_with_the_next_batch(make_toy_sta
 
     second = TandemGRPOTrainer(str(tiny_model_dir), args=_config(out, sampler.url, 5, 8, save_strategy="no"),
                                sampler_url=sampler.url, api_token=TOKEN, probe_tokens=0)
+    # Versions 2 and 3 announced again are refused (the sampler serves 4; 4 itself is accepted
+    # again): pruning to keep_published 2 must spare the served version-4 on disk meanwhile.
+    served_on_disk: list[bool] = []
+    publish = second.publisher.publish
+
+    def publish_then_look(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        info = publish(*args, **kwargs)
+        served_path = _served(sampler.url).checkpoint_path
+        served_on_disk.append(served_path is not None and Path(served_path).is_dir())
+        return info
+
+    second.publisher.publish = publish_then_look
     try:
         second.train(resume_from_checkpoint=True)
     finally:
         second.close()
     assert [b["batch_step"] for b in second.tandem_batches] == [2, 3, 4]
     assert [p["version"] for p in second.tandem_publications] == [2, 3, 4, 5]
+    assert [p["fresh"] for p in second.tandem_publications] == [False, False, True, True]
+    assert served_on_disk == [True] * 4
     assert _served(sampler.url).version == 5
 
 
