@@ -29,6 +29,7 @@ from services.sampler.store import Store
 from services.sampler.strategies import Strategy
 from services.sampler.supervisor import Supervisor
 from services.sampler.weight_sync import WeightSync
+from services.sampler.weights_check import WeightsCheck
 from shared.http_client import HttpClient
 
 
@@ -61,6 +62,8 @@ class SamplerState:
     throughput: ThroughputHistory
     recent_rollouts: RecentRollouts
     rollout_log: RolloutLog | None
+    # Refuses checkpoints holding NaN/inf at POST /weights_version (weights_check.py).
+    weights_check: WeightsCheck = field(default_factory=WeightsCheck)
     started_at: float = field(default_factory=time.time)
     # Set when the server begins a graceful shutdown: long-polls return at once.
     closing: asyncio.Event = field(default_factory=asyncio.Event)

@@ -16,7 +16,7 @@ max per chunk decides, without converting a value. Integer tensors are skipped. 
 in a worker thread (numpy and file reads release the GIL), so the event loop keeps serving
 (its longest stall during 1 GB scans: 8 ms).
 A checkpoint whose files are unchanged since their last clean scan is not scanned again (a
-retried publication).
+retried publication): `WeightsCheck`, one per sampler (SamplerState.weights_check), remembers it.
 
 Speed, measured with `.venv/bin/python -m services.sampler.weights_check --bench 1` (writes a
 1.07 GB bf16 file to a temporary directory and scans it, best of 3) on the 2-core development
@@ -56,12 +56,6 @@ _FLOATS: dict[str, tuple[type[np.unsignedinteger], int]] = {
 CHUNK_BYTES = 8 << 20
 _MAX_HEADER = 100 << 20  # the format's own bound on the header
 
-# What was last found clean (its files' names, sizes and mtimes), and whether a path the
-# sampler could not read has been logged: both per process.
-_last_clean: tuple | None = None
-_warned_unreadable = False
-
-
 class Unreadable(Exception):
     """The checkpoint cannot be checked here (not readable, not safetensors, malformed)."""
 
@@ -77,24 +71,46 @@ class NonFinite:
         return f"{self.file}: {self.tensor} ({self.count} of {self.total} values NaN or infinite)"
 
 
-async def refuse_nonfinite(checkpoint_path: str) -> None:
-    """HTTPException 422 when the checkpoint at `checkpoint_path` holds a NaN or infinity."""
-    global _warned_unreadable
-    try:
-        found = await asyncio.to_thread(scan_checkpoint, checkpoint_path)
-    except Unreadable as exc:
-        if not _warned_unreadable:
-            _warned_unreadable = True
-            log.warning("could not check %r for NaN/inf weights (%s); the inference servers load it unchecked. "
-                        "Logged once", checkpoint_path, exc)
-        return
-    if found:
-        shown = "; ".join(map(str, found[:8])) + (f"; and {len(found) - 8} more tensors" if len(found) > 8 else "")
-        raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_CONTENT,
-            detail=f"{checkpoint_path!r} holds non-finite weights: {shown}. Nothing was loaded into the inference "
-            "servers and the version is not published. The training step that wrote them diverged (lower the "
-            "learning rate, check the loss and gradient norm); publish a checkpoint with finite weights.")
+class WeightsCheck:
+    """One sampler's check of the checkpoints it is asked to publish."""
+
+    def __init__(self) -> None:
+        # What was last found clean (its files' names, sizes and mtimes), and whether a path
+        # the sampler could not read has been logged.
+        self.last_clean: tuple | None = None
+        self.warned_unreadable = False
+
+    async def refuse_nonfinite(self, checkpoint_path: str) -> None:
+        """HTTPException 422 when the checkpoint at `checkpoint_path` holds a NaN or infinity."""
+        try:
+            found = await asyncio.to_thread(self.scan, checkpoint_path)
+        except Unreadable as exc:
+            if not self.warned_unreadable:
+                self.warned_unreadable = True
+                log.warning("could not check %r for NaN/inf weights (%s); the inference servers load it unchecked. "
+                            "Logged once", checkpoint_path, exc)
+            return
+        if found:
+            shown = "; ".join(map(str, found[:8])) + (f"; and {len(found) - 8} more tensors" if len(found) > 8 else "")
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                detail=f"{checkpoint_path!r} holds non-finite weights: {shown}. Nothing was loaded into the inference "
+                "servers and the version is not published. The training step that wrote them diverged (lower the "
+                "learning rate, check the loss and gradient norm); publish a checkpoint with finite weights.")
+
+    def scan(self, checkpoint_path: str | os.PathLike) -> list[NonFinite]:
+        """`scan_checkpoint`, skipped when the files are unchanged since they were last found clean."""
+        files = checkpoint_files(checkpoint_path)
+        try:
+            stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+        except OSError as exc:
+            raise Unreadable(f"{type(exc).__name__}: {exc}") from None
+        if stamp == self.last_clean:
+            return []
+        found = _scan_files(files)
+        if not found:
+            self.last_clean = stamp
+        return found
 
 
 def checkpoint_files(checkpoint_path: str | os.PathLike) -> list[Path]:
@@ -119,18 +135,11 @@ def checkpoint_files(checkpoint_path: str | os.PathLike) -> list[Path]:
 
 def scan_checkpoint(checkpoint_path: str | os.PathLike) -> list[NonFinite]:
     """Every float tensor of the checkpoint holding a NaN or infinity (empty when all are finite)."""
-    global _last_clean
-    files = checkpoint_files(checkpoint_path)
-    try:
-        stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    except OSError as exc:
-        raise Unreadable(f"{type(exc).__name__}: {exc}") from None
-    if stamp == _last_clean:
-        return []
-    found = [bad for f in files for bad in scan_file(f)]
-    if not found:
-        _last_clean = stamp
-    return found
+    return _scan_files(checkpoint_files(checkpoint_path))
+
+
+def _scan_files(files: list[Path]) -> list[NonFinite]:
+    return [bad for f in files for bad in scan_file(f)]
 
 
 def scan_file(path: Path) -> list[NonFinite]:

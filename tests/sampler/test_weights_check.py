@@ -19,12 +19,6 @@ from services.sampler.weights_check import NonFinite, Unreadable, scan_checkpoin
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn]
 
 
-@pytest.fixture(autouse=True)
-def _no_cache(monkeypatch):
-    """Each test scans afresh (the module remembers the last clean checkpoint)."""
-    monkeypatch.setattr(weights_check, "_last_clean", None)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.inference.init_model import init_model
@@ -70,10 +64,10 @@ def test_sharded_checkpoints_are_scanned_by_their_index(tmp_path):
     assert scan_checkpoint(tmp_path) == [NonFinite("model-00002-of-00002.safetensors", "b", 1, 10)]
 
 
-async def test_what_cannot_be_read_here_is_not_refused(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(weights_check, "_warned_unreadable", False)
+async def test_what_cannot_be_read_here_is_not_refused(tmp_path, caplog):
+    check = weights_check.WeightsCheck()
     for _ in range(2):
-        assert await weights_check.refuse_nonfinite(str(tmp_path / "only-the-servers-see-this")) is None
+        assert await check.refuse_nonfinite(str(tmp_path / "only-the-servers-see-this")) is None
     assert [r.getMessage() for r in caplog.records if "could not check" in r.getMessage()] == [
         f"could not check {str(tmp_path / 'only-the-servers-see-this')!r} for NaN/inf weights ({tmp_path}/"
         "only-the-servers-see-this is not a file or directory here); the inference servers load it unchecked. "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, status
 
-from services.sampler import weights_check
 from services.sampler.deps import Authorized, State
 from services.sampler.inference_pool import DOWN, JOINING, LEAVING
 from services.sampler.state import SamplerState
@@ -50,7 +49,7 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
                 "versions only move forward",
             )
         if body.checkpoint_path:
-            await weights_check.refuse_nonfinite(body.checkpoint_path)  # 422 for NaN/inf weights
+            await state.weights_check.refuse_nonfinite(body.checkpoint_path)  # 422 for NaN/inf weights
             # Servers out of rotation for a reason the fleet handles (down, joining, leaving)
             # are brought to the published version by the fleet once they can be.
             behind = [s for s in state.pool.servers if s.state not in (DOWN, JOINING, LEAVING)
