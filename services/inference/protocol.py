@@ -14,7 +14,10 @@ fields are ignored, as vLLM does. Responses:
   among the top k), exactly as vLLM 0.32 writes it.
 * chat choice: `index, message {role, content, reasoning_content, tool_calls}, logprobs {content:
   [{token, logprob, bytes, top_logprobs}]} | null, finish_reason, stop_reason, token_ids`; the
-  prompt's ids are top-level `prompt_token_ids`.
+  prompt's ids are top-level `prompt_token_ids`. With tools and tool_choice "auto", an answer
+  holding Hermes tool-call blocks has `tool_calls` `[{id, type: "function", function: {name,
+  arguments (a JSON string)}}]`, `content` the text before the first call (null when empty) and
+  finish_reason "tool_calls", as `vllm serve --tool-call-parser hermes` answers.
 * errors: `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP status.
 """
 
@@ -27,6 +30,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.inference.engine import Output, SamplingParams
+from services.inference.tokenizer import message_text
+from shared.toolcalls import parse_tool_calls
 
 # JSON has no -inf; vLLM writes masked logprobs as -9999.0.
 NEG_INF_LOGPROB = -9999.0
@@ -90,11 +95,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type", "text") == "text")
+        return message_text(self.content)
 
 
 class ChatCompletionRequest(_Request):
@@ -106,6 +107,9 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Checked by chat.check_tools / chat.parses_tool_calls, whose 400s name the bad entry.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -117,6 +121,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
     return_token_strs: bool = False
 
 
@@ -216,7 +222,21 @@ def completion_response(
     }
 
 
-def chat_choice(index: int, out: Output, req: ChatCompletionRequest, piece) -> dict[str, Any]:
+def tool_call_message(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """(content, tool_calls) of an answer that calls tools, None for one that does not, as vLLM's
+    `hermes` tool parser reads it: content is the text before the first call (null when empty);
+    each call gets an id unique to it. A block that is not a valid call makes the whole answer
+    plain text, as in vLLM (the caller still sees what the model wrote)."""
+    content, calls = parse_tool_calls(text)
+    if not calls or any(call.error for call in calls):
+        return None
+    for call in calls:
+        call.id = f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return content or None, [call.openai() for call in calls]
+
+
+def chat_choice(index: int, out: Output, req: ChatCompletionRequest, piece, parse_tools: bool = False
+                ) -> dict[str, Any]:
     logprobs = None
     if req.logprobs:
         content = []
@@ -229,12 +249,17 @@ def chat_choice(index: int, out: Output, req: ChatCompletionRequest, piece) -> d
             content.append({"token": tok, "logprob": _finite(out.logprobs[j]), "bytes": list(tok.encode()),
                             "top_logprobs": top})
         logprobs = {"content": content}
+    content, tool_calls, finish_reason = out.text, [], out.finish_reason
+    called = tool_call_message(out.text) if parse_tools else None
+    if called is not None:
+        content, tool_calls = called
+        finish_reason = "tool_calls"  # as vLLM, whatever ended the generation
     choice: dict[str, Any] = {
         "index": index,
-        "message": {"role": "assistant", "content": out.text, "refusal": None, "annotations": None,
-                    "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
+        "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                    "audio": None, "function_call": None, "tool_calls": tool_calls, "reasoning_content": None},
         "logprobs": logprobs,
-        "finish_reason": out.finish_reason,
+        "finish_reason": finish_reason,
         "stop_reason": out.stop_reason,
         "token_ids": out.token_ids if req.return_token_ids else None,
     }

@@ -2,10 +2,17 @@
 
 It speaks the subset of vLLM's HTTP API that Tandem uses (completions with token ids,
 logprobs, prompt logprobs and weight-version spans; pause/resume; reload_weights; version
-labels) and
+labels; /tokenize, with chat messages rendered by the tiny model's chat template) and
 generates pseudo-random characters with a configurable latency per token, so that
 generation time can be set exactly. Tokens are bytes: token id = byte value, id 0 = EOS.
 It is not a language model: use the CPU inference server for anything that must learn.
+
+Scripted answers (POST /_standin/configure): `reply` makes every completion that text;
+`replies` [text0, text1, ...] makes the answer to a prompt holding k assistant headers
+(`<|im_start|>assistant`, the tiny model's ChatML) replies[k - 1], clipped to the list, so a
+multi-turn rollout gets text0 for its first turn, text1 for its second, and so on. `replies`
+wins over `reply`. A scripted answer ends with "stop" when its text is shorter than
+max_tokens, else it is cut there with "length" (no room left for the end-of-sequence token).
 
 Run: `python -m services.inference.standin --port 8000 --token-latency 0.001`.
 """
@@ -26,8 +33,12 @@ import orjson
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.inference.standin_chat import ChatTemplateError, render_chat_text
+
 ALPHABET = "0123456789abcdefghij "
 EOS = 0
+# What the tiny model's chat template writes before every assistant turn, generation prompt included.
+ASSISTANT_HEADER = b"<|im_start|>assistant"
 
 
 def standin_prompt_logprobs(weights: str, token_ids: list[int]) -> list[float | None]:
@@ -52,6 +63,7 @@ class StandInState:
     reload_delay: float = 0.0  # seconds each reload_weights takes (shutdown-during-sync drills)
     resume_delay: float = 0.0  # seconds each /resume takes before it resumes
     reply: str | None = None  # when set, every completion is this text (escaping drills)
+    replies: list[str] | None = None  # when set, the answer to turn k is replies[k] (module docstring)
     # The "weights": the last checkpoint path loaded. Prompt logprobs are a function of them
     # (standin_prompt_logprobs), so a probe computed for a checkpoint matches only after it loaded.
     weights: str = "base"
@@ -66,9 +78,28 @@ class StandInState:
         self.resumed.set()
         self.running.set()
 
+    def script(self, prompt_ids: list[int]) -> list[int] | None:
+        """The token ids of the scripted answer to this prompt, or None when unscripted."""
+        if self.replies is not None:
+            # Ids above 255 (token-id prompts) are no byte of a header: 0 keeps them from matching.
+            turns = bytes(t if 0 <= t < 256 else 0 for t in prompt_ids).count(ASSISTANT_HEADER)
+            return list(self.replies[min(max(turns - 1, 0), len(self.replies) - 1)].encode())
+        if self.reply is not None:
+            return list(self.reply.encode())
+        return None
+
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status_code=status)
+
+
+async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
+    """The request's JSON object body, or the 400 to answer."""
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        return _error(400, f"the body is not JSON: {exc}")
+    return body if isinstance(body, dict) else _error(400, "the body must be a JSON object")
 
 
 def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAPI:
@@ -110,13 +141,15 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         temperature = float(body.get("temperature", 1.0))
         seed = body.get("seed")
         rng = random.Random(seed if seed is not None else time.perf_counter_ns())
-        if s.token_latency == 0 and s.resumed.is_set() and s.running.is_set() and s.reply is None:
+        scripted = s.script(prompt_ids)
+        if s.token_latency == 0 and s.resumed.is_set() and s.running.is_set():
             # Instantaneous inference (throughput benchmarks): no per-token awaits at all.
-            choices = [_choice(i, prompt_ids, *_sample_now(max_tokens, temperature, random.Random(rng.random())),
+            choices = [_choice(i, prompt_ids, *(_sample_now(max_tokens, temperature, random.Random(rng.random()))
+                                                if scripted is None else _script_now(scripted, max_tokens)),
                                [], s.version, body) for i in range(n)]
         else:
             choices = await asyncio.gather(*(
-                _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body)
+                _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body, scripted)
                 for i in range(n)
             ))
         if body.get("prompt_logprobs") is not None:
@@ -143,6 +176,10 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
             token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
         return token_ids, "length"
 
+    def _script_now(scripted: list[int], max_tokens: int) -> tuple[list[int], str]:
+        """`_generate`'s scripted answer without pauses or latency: same tokens, same end."""
+        return scripted[:max_tokens], "stop" if len(scripted) < max_tokens else "length"
+
     def _choice(index: int, prompt_ids: list[int], token_ids: list[int], finish: str, labels: list[str],
                 version: str, body: dict[str, Any]) -> dict[str, Any]:
         """One choice in vLLM's shape; `labels` per token, or all `version` when empty."""
@@ -168,11 +205,11 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         return choice
 
     async def _generate(s: StandInState, index: int, prompt_ids: list[int], max_tokens: int,
-                        temperature: float, rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
+                        temperature: float, rng: random.Random, body: dict[str, Any],
+                        scripted: list[int] | None) -> dict[str, Any]:
         token_ids: list[int] = []
         labels: list[str] = []
         finish = "length"
-        scripted = list(s.reply.encode()) if s.reply is not None else None
         for _ in range(max_tokens):
             await s.resumed.wait()  # a paused (keep) server freezes requests between tokens
             await s.running.wait()
@@ -191,6 +228,30 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
             token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
             labels.append(s.version)
         return _choice(index, prompt_ids, token_ids, finish, labels, s.version, body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's POST /tokenize: {"prompt": text} or {"messages": [...], "add_generation_prompt"
+        (default true), "continue_final_message", "tools", "chat_template_kwargs"} -> {"count",
+        "max_model_len", "tokens", "token_strs"}; the tokens are the text's UTF-8 bytes, messages
+        rendered by the tiny model's chat template. `add_special_tokens` changes nothing here:
+        bytes have no special tokens."""
+        s, body = st(request), await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if body.get("messages") is not None:
+            try:
+                text = render_chat_text(body["messages"], body.get("tools"), bool(body.get("add_generation_prompt", True)),
+                                        bool(body.get("continue_final_message", False)), body.get("chat_template_kwargs"))
+            except ChatTemplateError as exc:
+                return _error(400, str(exc))
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            return _error(400, "give either prompt (a string) or messages")
+        ids = list(text.encode())
+        strs = [bytes([t]).decode(errors="replace") for t in ids] if body.get("return_token_strs") else None
+        return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/pause")
     async def pause(request: Request, mode: str = "keep") -> dict[str, Any]:
@@ -248,14 +309,22 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
 
     @app.post("/_standin/configure")
     async def configure(request: Request) -> dict[str, Any]:
-        """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null,
-        "stale_reloads": bool, "hung": bool}; omitted keys stay."""
-        s, body = st(request), await request.json()
+        """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null, "replies":
+        [text, ...] or null, "stale_reloads": bool, "hung": bool}; omitted keys stay."""
+        s, body = st(request), await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        replies = body.get("replies")
+        if replies is not None and not (isinstance(replies, list) and replies
+                                        and all(isinstance(r, str) for r in replies)):
+            return _error(400, "replies must be a non-empty list of strings, or null to clear them")
         for key in ("reload_delay", "resume_delay"):
             if key in body:
                 setattr(s, key, float(body[key]))
         if "reply" in body:
             s.reply = body["reply"]
+        if "replies" in body:
+            s.replies = replies
         if "stale_reloads" in body:
             s.stale_reloads = bool(body["stale_reloads"])
         if body.get("hung") is True:
@@ -263,7 +332,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         elif "hung" in body:
             s.running.set()
         return {"reload_delay": s.reload_delay, "resume_delay": s.resume_delay, "reply": s.reply,
-                "stale_reloads": s.stale_reloads, "hung": not s.running.is_set()}
+                "replies": s.replies, "stale_reloads": s.stale_reloads, "hung": not s.running.is_set()}
 
     @app.get("/_standin/stats")
     async def stats(request: Request) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """POST /v1/completions and POST /v1/chat/completions: generation, in vLLM's OpenAI shapes.
 
 `prompt_logprobs: k` on a completion gives `choices[i].prompt_logprobs` in vLLM's shape
-(protocol.py). No streaming (`stream: true` is a 400) and no `echo`.
+(protocol.py). No streaming (`stream: true` is a 400) and no `echo`. A chat request's `tools`
+go to the chat template; with tool_choice "auto" (the default with tools) the answers are read
+for Hermes tool calls (chat.py, protocol.tool_call_message).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.inference import protocol as P
-from services.inference.chat import render_chat
+from services.inference.chat import check_tools, parses_tool_calls, render_chat
 from services.inference.deps import EngineDep, Served
 from services.inference.engine import RequestError
 
@@ -97,8 +99,10 @@ async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep
 async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: EngineDep, served: Served):
     served.check(req.model)
     _unsupported(req)
+    tools = check_tools(req.tools)
+    parse_tools = parses_tool_calls(tools, req.tool_choice)
     ids = render_chat(eng.tokenizer, req.messages, req.add_generation_prompt,
-                      req.continue_final_message, req.chat_template_kwargs)
+                      req.continue_final_message, req.chat_template_kwargs, tools)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = limit if limit is not None else eng.max_model_len - len(ids)
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -108,5 +112,5 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: 
     if isinstance(outs, Response):
         return outs
     piece = _piece(eng.tokenizer)
-    choices = [P.chat_choice(j, out, req, piece) for j, out in enumerate(outs)]
+    choices = [P.chat_choice(j, out, req, piece, parse_tools) for j, out in enumerate(outs)]
     return P.chat_response(served.id, choices, outs, ids, req)

@@ -2,8 +2,9 @@
 
 * `GET /v1/models` -> `{"object": "list", "data": [{"id", "object": "model", "created",
   "owned_by": "vllm", "root", "parent": null, "max_model_len", "permission": [...]}]}`.
-* `POST /tokenize` -> `{"count", "max_model_len", "tokens", "token_strs"}`; `POST /detokenize`
-  -> `{"prompt"}`.
+* `POST /tokenize` -> `{"count", "max_model_len", "tokens", "token_strs"}`: the ids of `prompt`,
+  or of `messages` rendered by the chat template (with `tools` and `chat_template_kwargs`,
+  as a chat completion renders them); `POST /detokenize` -> `{"prompt"}`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from services.inference import protocol as P
-from services.inference.chat import render_chat
+from services.inference.chat import check_tools, render_chat
 from services.inference.deps import EngineDep, Served
 from services.inference.engine import RequestError
 
@@ -36,7 +37,7 @@ async def tokenize(req: P.TokenizeRequest, eng: EngineDep, served: Served):
     served.check(req.model)
     if req.messages is not None:
         ids = render_chat(eng.tokenizer, req.messages, req.add_generation_prompt,
-                          req.continue_final_message, None)
+                          req.continue_final_message, req.chat_template_kwargs, check_tools(req.tools))
     elif req.prompt is not None:
         ids = eng.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
