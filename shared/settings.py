@@ -11,6 +11,8 @@ a TOML array, repeated flags or one comma-separated string.
 
 from __future__ import annotations
 
+import json
+
 import argparse
 import contextvars
 import tomllib
@@ -45,6 +47,20 @@ def _split_commas(value: Any) -> Any:
 
 # A list setting that also accepts "a,b,c" (from a flag, an env var or TOML).
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
+
+
+def json_if_str(value: Any) -> Any:
+    """Structured settings may come from a flag or env var as a JSON string."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else None
+        except ValueError as exc:
+            raise ValueError(f"expected JSON, got {value!r}: {exc}") from None
+    return value
+
+
+# An environment's keyword arguments (`env_args`): a JSON object of scalars.
+EnvArgs = Annotated[dict[str, str | int | float | bool], BeforeValidator(json_if_str)]
 
 
 class _TomlSource(PydanticBaseSettingsSource):

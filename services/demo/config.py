@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from shared import contract
-from shared.settings import TandemSettings
+from shared.settings import EnvArgs, TandemSettings
 
 
 class DemoSettings(TandemSettings):
@@ -39,7 +39,10 @@ class DemoSettings(TandemSettings):
     )
     on_policy: bool = Field(default=False, description="synchronous on-policy training: shorthand for max_staleness = 0")
     seed: int = Field(default=0, description="model initialisation, sampling and trainer seed")
-    env: str = Field(default="toy", description="sampler environment")
+    env: str = Field(default="toy", description="sampler environment (toy, parity_dialogue, math, calculator, ...)")
+    env_args: EnvArgs = Field(
+        default_factory=dict, description='keyword arguments for the environment (JSON), e.g. {"turns": 4}'
+    )
     model: str | None = Field(default=None, description="start from this HF model directory instead of a fresh preset")
     preset: str = Field(default="tiny", description="init-model preset for the fresh model")
 
@@ -54,7 +57,7 @@ class DemoSettings(TandemSettings):
         default=None, ge=1, description="trainer per_device_batch_size; unset = the whole batch in one micro-batch"
     )
     temperature: float = Field(default=1.0, gt=0)
-    max_tokens: int = Field(default=4, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="per model turn; unset = the environment's default")
     learning_rate: float = Field(default=1e-3, gt=0)
     loss: contract.LossName = "grpo"
     trainer: Literal["native", "trl"] = Field(

@@ -310,6 +310,7 @@ class Demo:
             sampler = self._start("sampler", _tandem(
                 "sampler", host=s.host, port=self.sampler_port, run_dir=self.run_dir,
                 inference_urls=self.inference_url, env=s.env, model_name=SERVED_MODEL_NAME,
+                env_args=json.dumps(s.env_args) if s.env_args else None,
                 prompts_per_step=s.prompts_per_step, num_generations=s.num_generations,
                 max_staleness=s.max_staleness, on_policy=s.on_policy, temperature=s.temperature,
                 max_tokens=s.max_tokens, seed=s.seed, eval_examples=s.eval_examples, log_level=s.log_level,

@@ -26,11 +26,13 @@ from services.sampler import guards, run_identity
 from services.sampler.config import SamplerSettings
 from services.sampler.curriculum import Curriculum
 from services.sampler import drill as drills
-from services.sampler.envs import Environment, load_environment
+from services.sampler.envs import Environment, check_environment, load_environment
 from services.sampler.evals import Evals
 from services.sampler.fleet import Fleet
 from services.sampler.inference_pool import InferencePool
 from services.sampler.keys import Keys
+from services.sampler.multiturn.stats import EnvStats
+from services.sampler.multiturn.workers import Workers
 from services.sampler.notify import Notifier
 from services.sampler.observability.http import HttpMetricsMiddleware
 from services.sampler.observability.metrics import SamplerMetrics
@@ -98,11 +100,17 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
 
         # One tally of the non-finite rewards and logprobs kept out, over every environment.
         nonfinite = NonFiniteCounts()
+        # One pool of worker threads and one tally of environment faults, for every environment.
+        workers = Workers(settings.env_workers)
+        env_stats = EnvStats()
 
         def make_rollouts(environment: Environment) -> Rollouts:
+            check_environment(environment)
             return Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,
                             num_generations=settings.num_generations, sampling=sampling, seed=settings.seed,
-                            advantage=settings.advantage, model_name=settings.model_name, nonfinite=nonfinite)
+                            advantage=settings.advantage, model_name=settings.model_name, nonfinite=nonfinite,
+                            workers=workers, env_stats=env_stats, env_timeout=settings.env_timeout,
+                            env_retries=settings.env_retries)
 
         rollouts = make_rollouts(env)
 
@@ -177,6 +185,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             await state.fleet.shutdown()
             await state.evals.shutdown()
             await state.weight_sync.shutdown(SHUTDOWN_DEADLINE)
+        if "workers" in locals():
+            workers.shutdown()
         await http.aclose()
         await redis.aclose()
         if embedded is not None and embedded.owned:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from shared import contract
-from shared.settings import CommaList, TandemSettings
+from shared.settings import CommaList, EnvArgs, TandemSettings, json_if_str
 
 
 class CurriculumStage(BaseModel):
@@ -25,16 +24,6 @@ class CurriculumStage(BaseModel):
             if not weight > 0:
                 raise ValueError(f"lesson {name!r} has weight {weight}: weights must be > 0")
         return self
-
-
-def _json_if_str(value: Any) -> Any:
-    """Structured settings may come from a flag or env var as a JSON string."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value) if value.strip() else None
-        except ValueError as exc:
-            raise ValueError(f"expected JSON, got {value!r}: {exc}") from None
-    return value
 
 
 class SamplerSettings(TandemSettings):
@@ -57,7 +46,7 @@ class SamplerSettings(TandemSettings):
         description="the run's initial inference servers; membership then lives in Redis (POST/DELETE /inference_servers)",
     )
     env: str = Field(default="toy", description="environment name or 'package.module:factory'")
-    env_args: Annotated[dict[str, str | int | float | bool], BeforeValidator(_json_if_str)] = Field(
+    env_args: EnvArgs = Field(
         default_factory=dict, description="keyword arguments for the environment (JSON)"
     )
     prompts_per_step: int = Field(default=8, ge=1)
@@ -87,7 +76,7 @@ class SamplerSettings(TandemSettings):
         default=2.0, ge=0.0, description="refill bound: at most this many extra groups per prompt slot"
     )
     # Curriculum: stages of lessons; JSON list or TOML array of tables.
-    curriculum: Annotated[list[CurriculumStage] | None, BeforeValidator(_json_if_str)] = Field(
+    curriculum: Annotated[list[CurriculumStage] | None, BeforeValidator(json_if_str)] = Field(
         default=None, description='e.g. [{"until_step": 50, "lessons": {"toy": 1}}, {"lessons": {"toy": 1, "math": 1}}]'
     )
     curriculum_adaptive: bool = Field(
@@ -133,6 +122,16 @@ class SamplerSettings(TandemSettings):
     rollout_log: bool = Field(default=True, description="append every sealed batch to run_dir/rollouts/*.parquet")
     model_name: str | None = Field(default=None, description="model id sent to inference; unset = first of /v1/models")
     eval_examples: int = Field(default=64, ge=1, description="default num_examples for POST /eval")
+    # Environment code (docs/environments.md).
+    env_workers: int = Field(
+        default=4, ge=1, description="worker threads for synchronous environment code (rewards, env turns, tools)"
+    )
+    env_timeout: float = Field(
+        default=60.0, gt=0, description="seconds one environment turn or one reward may take before it counts as failed"
+    )
+    env_retries: int = Field(
+        default=2, ge=0, description="times a trajectory whose environment failed is run again before its group is dropped"
+    )
 
     @property
     def batch_size(self) -> int:

@@ -1,4 +1,5 @@
-"""Eval jobs: one generation per eval prompt, greedy by default, rewards only.
+"""Eval jobs: one generation per eval prompt (a whole conversation for a multi-turn
+environment), greedy by default, rewards only.
 
 Jobs live in Redis (`eval:<id>` holds the whole record as JSON) so `GET /eval/{id}`
 works from any replica and after a restart; a restarted sampler re-runs jobs that were
@@ -157,13 +158,14 @@ class Evals:
             sampling["seed"] = request["seed"]
         min_version = rollouts.pool.max_version() or 0
 
+        run_id = uuid.uuid4().hex[:8]  # names the trajectories' sessions (session affinity)
+
         async def one(example):
+            # A multi-turn environment's whole conversation, greedy, as in training.
             async with self.semaphore:
-                completions = await rollouts.generate(
-                    rollouts.env.format_prompt(example), n=1, min_version=min_version, **sampling
-                )
-            total, parts = await rollouts.env.score(example, completions[0])
-            return example, completions[0], total, parts
+                completion, (total, parts) = await rollouts.sample_one(
+                    example, min_version=min_version, sampling=sampling, label=f"eval/{run_id}/{example.prompt_id}")
+            return example, completion, total, parts
 
         scored = await asyncio.gather(*(one(ex) for ex in examples))
         totals = [total for _, _, total, _ in scored]

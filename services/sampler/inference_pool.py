@@ -14,6 +14,12 @@
   dropped, the server is taken out of rotation and reported to `on_suspect` (the fleet
   checks it at once), and the request is retried elsewhere.
 * Membership changes at run time (`add`, `remove`); the fleet (fleet.py) decides who is in.
+* Session affinity: a request that names a `session` (one multi-turn trajectory) goes to
+  the server its session is bound to, where the conversation so far sits in the prefix
+  cache, and carries vLLM's `X-Session-ID` header. A session is bound on its first request
+  (to the server with the fewest outstanding requests, so trajectories balance) and waits
+  for its server through a weight sync; it moves only when that server leaves the rotation,
+  fails, or serves too old a version. `release` forgets it when the trajectory ends.
 """
 
 from __future__ import annotations
@@ -179,6 +185,8 @@ class InferencePool:
         self.on_version_change = on_version_change
         # Called with (server, reason) when a server's answers say it lost its weights.
         self.on_suspect: Callable[[Server, str], None] | None = None
+        # session id -> url of the server its earlier turns went to (session affinity).
+        self.sessions: dict[str, str] = {}
         # Since when requests have found no usable server (None while they find one).
         self.blocked_since: float | None = None
         self.blocked_version: int | None = None
@@ -256,17 +264,31 @@ class InferencePool:
 
     # --- requests --------------------------------------------------------------------------
 
-    def _pick(self, min_version: int) -> Server | None:
+    def _pick(self, min_version: int, session: str | None = None) -> Server | None:
         now = time.monotonic()
+        if session is not None:
+            bound = self._servers.get(self.sessions.get(session, ""))
+            if bound is not None:
+                if bound.usable(min_version, now):
+                    return bound
+                if bound.state == OK and bound.syncing and (bound.version or 0) >= min_version:
+                    return None  # a weight sync is short: wait for the server holding the conversation
         usable = [s for s in self._servers.values() if s.usable(min_version, now)]
         if not usable:
             return None
-        return min(usable, key=lambda s: (s.outstanding, s.consecutive_failures))
+        best = min(usable, key=lambda s: (s.outstanding, s.consecutive_failures))
+        if session is not None:
+            self.sessions[session] = best.url
+        return best
 
-    async def _wait_for_server(self, min_version: int, deadline: float) -> Server:
+    def release(self, session: str) -> None:
+        """The trajectory `session` ended: forget its server."""
+        self.sessions.pop(session, None)
+
+    async def _wait_for_server(self, min_version: int, deadline: float, session: str | None = None) -> Server:
         """A usable server, waiting through cooldowns, syncs and re-syncs until `deadline`."""
         while True:
-            server = self._pick(min_version)
+            server = self._pick(min_version, session)
             if server is not None:
                 self.blocked_since = None
                 return server
@@ -281,32 +303,36 @@ class InferencePool:
             await wait_event(self._changed, max(wait, 0.01))
 
     async def post(self, path: str, body: dict[str, Any], *, min_version: int = 0,
-                   parse: Callable[[dict[str, Any], int | None], T] = _as_is) -> tuple[T, Server]:
+                   parse: Callable[[dict[str, Any], int | None], T] = _as_is,
+                   session: str | None = None) -> tuple[T, Server]:
         """POST to the best server. `parse(answer, version)` turns the JSON answer into the
         caller's result (by default the JSON itself); `version` is what the server served when the request was sent (the
         oldest version that can have produced the answer). `parse` raises `WentBackwards`
         when the answer shows older weights than that: the server is then suspected and the
-        request retried elsewhere."""
+        request retried elsewhere. `session` names a multi-turn trajectory (session affinity)."""
         async with self.semaphore:
             self.in_flight += 1
             try:
-                return await self._post_with_retries(path, body, min_version, parse)
+                return await self._post_with_retries(path, body, min_version, parse, session)
             finally:
                 self.in_flight -= 1
 
     async def _post_with_retries(self, path: str, body: dict[str, Any], min_version: int,
-                                 parse: Callable[[dict[str, Any], int | None], T]) -> tuple[T, Server]:
+                                 parse: Callable[[dict[str, Any], int | None], T],
+                                 session: str | None) -> tuple[T, Server]:
         attempts = self.retries + 1
         deadline = time.monotonic() + self.request_timeout
         failures: list[str] = []
+        headers = {"X-Session-ID": session} if session is not None else None
         for attempt in range(attempts):
-            server = await self._wait_for_server(min_version, deadline)
+            server = await self._wait_for_server(min_version, deadline, session)
             dispatched = server.version
             server.outstanding += 1
             server.requests += 1
             dropped = False
             try:
-                response = await self.http.post(server.url + path, json=body, timeout=self.request_timeout)
+                response = await self.http.request("POST", server.url + path, json=body, headers=headers,
+                                                   timeout=self.request_timeout)
             except TransportError as exc:
                 error = str(exc)
                 dropped = not error.startswith("TimeoutError")

@@ -27,7 +27,12 @@ import numpy as np
 
 from services.sampler.advantages import NonFiniteAdvantages, group_advantages
 from services.sampler.envs.base import Completion, Environment, Example, gather_now
-from services.sampler.inference_pool import InferencePool, InferenceRequestError, WentBackwards
+from services.sampler.envs.multiturn import MultiTurnEnvironment
+from services.sampler.inference_pool import InferenceError, InferencePool, InferenceRequestError, WentBackwards
+from services.sampler.multiturn.render import ChatRenderer
+from services.sampler.multiturn.stats import EnvStats
+from services.sampler.multiturn.trajectories import GroupFailed, group_trajectories, note_fault, score, trajectory
+from services.sampler.multiturn.workers import Workers
 from shared.contract import staleness
 from shared.wire import BatchStats, new_sample
 
@@ -256,7 +261,9 @@ class Rollouts:
 
     def __init__(self, env: Environment, pool: InferencePool, *, prompts_per_step: int,
                  num_generations: int, sampling: dict[str, Any], seed: int, advantage: str,
-                 model_name: str | None, nonfinite: NonFiniteCounts | None = None):
+                 model_name: str | None, nonfinite: NonFiniteCounts | None = None,
+                 workers: Workers | None = None, env_stats: EnvStats | None = None,
+                 env_timeout: float = 60.0, env_retries: int = 2):
         self.env = env
         self.pool = pool
         self.prompts_per_step = prompts_per_step
@@ -275,6 +282,16 @@ class Rollouts:
         # Shared by every environment's Rollouts of one sampler (app.py passes one in).
         self.nonfinite = nonfinite if nonfinite is not None else NonFiniteCounts()
         self._logprob_warned: dict[str, float] = {}
+        # Environment code: synchronous parts in worker threads, faults counted and retried.
+        self.workers = workers if workers is not None else Workers(4)
+        env.workers = self.workers
+        self.env_stats = env_stats if env_stats is not None else EnvStats()
+        self.env_timeout = env_timeout
+        self.env_retries = env_retries
+        self.multiturn = isinstance(env, MultiTurnEnvironment)
+        self.renderer = ChatRenderer(self._tokenize)
+        self._max_model_len: int | None = None
+        self._context_known = False
 
     @property
     def request_sampling(self) -> dict[str, Any]:
@@ -290,6 +307,20 @@ class Rollouts:
                 self.model_name = body["data"][0]["id"]
             return self.model_name
 
+    async def context_length(self) -> int | None:
+        """The served model's context (`max_model_len` of /v1/models), None when not given."""
+        if not self._context_known:
+            body, _ = await self._get_models()
+            value = body["data"][0].get("max_model_len")
+            self._max_model_len = int(value) if value else None
+            self._context_known = True
+        return self._max_model_len
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        """POST /tokenize on a server in rotation (render.py renders turns with it)."""
+        answer, _ = await self.pool.post("/tokenize", {**body, "model": await self.model()})
+        return list(answer["tokens"])
+
     async def _get_models(self) -> tuple[dict[str, Any], str]:
         last_error = None
         for server in self.pool.servers:
@@ -302,7 +333,10 @@ class Rollouts:
                 last_error = f"{server.url}: {exc!r}"
         raise InferenceRequestError(f"cannot read the model id from any /v1/models ({last_error})")
 
-    async def generate(self, prompt: str, *, n: int, min_version: int = 0, **sampling: Any) -> list[Completion]:
+    async def generate(self, prompt: str | list[int], *, n: int, min_version: int = 0, session: str | None = None,
+                       **sampling: Any) -> list[Completion]:
+        """`n` completions of `prompt` (text, or token ids: token-in); `session` names a
+        multi-turn trajectory, whose turns go to one server (inference_pool.py)."""
         body = {
             **self.request_sampling,
             **sampling,
@@ -314,7 +348,7 @@ class Rollouts:
             "return_weight_versions": True,
         }
         completions, server = await self.pool.post("/v1/completions", body, min_version=min_version,
-                                                   parse=parse_completions)
+                                                   parse=parse_completions, session=session)
         self.completions_done += len(completions)
         self.tokens_done += sum(len(c.token_ids) for c in completions)
         # Straight from parse_completions, a loss_mask only ever masks bad logprobs.
@@ -338,13 +372,19 @@ class Rollouts:
     async def group(self, example: Example, group_id: str, *, min_version: int, seed: int,
                     n: int | None = None, **sampling: Any) -> Group:
         n = n or self.num_generations
-
-        async def generate(prompt: str, *, n: int, **kw: Any) -> list[Completion]:
-            return await self.generate(prompt, n=n, min_version=min_version, **{"seed": seed, **kw})
-
-        completions = await self.env.rollout(generate, example, n, **sampling)
-        # Most scores finish without suspending: no task per completion for those.
-        scored = await gather_now([self.env.score(example, c) for c in completions])
+        try:
+            if self.multiturn:
+                completions, scored = await group_trajectories(self, example, group_id, n, min_version=min_version,
+                                                               seed=seed, sampling=sampling)
+            else:
+                completions, scored = await self._single_turn(example, group_id, n, min_version, seed, sampling)
+        except GroupFailed as exc:
+            self.env_stats.of(self.env.name).groups_dropped += 1
+            log.warning("environment %r, prompt %s (group %s): %s; the group is dropped and its slot refilled",
+                        self.env.name, example.prompt_id, group_id, exc)
+            return Group(example=example, group_id=group_id, completions=[], rewards=[], reward_parts=[],
+                         advantages=[], policy_versions=[min_version], info={"created_at": time.time()},
+                         invalid=f"the environment failed: {exc}")
         rewards = [total for total, _ in scored]
         parts = [by_name for _, by_name in scored]
         versions = [min(c.versions) if c.versions else min_version for c in completions]
@@ -375,6 +415,42 @@ class Rollouts:
             info={"created_at": time.time()},
             invalid=invalid,
         )
+
+    async def _single_turn(self, example: Example, group_id: str, n: int, min_version: int, seed: int,
+                           sampling: dict[str, Any]) -> tuple[list[Completion], list[tuple[float, dict[str, float]]]]:
+        """The environment's rollout of `n` completions, scored; retried as a whole when the
+        environment's code fails (its `n` completions come from one request)."""
+        for attempt in range(self.env_retries + 1):
+            attempt_seed = seed if attempt == 0 else derive_seed(seed, attempt)
+
+            async def generate(prompt: str, *, n: int, **kw: Any) -> list[Completion]:
+                return await self.generate(prompt, n=n, min_version=min_version, **{"seed": attempt_seed, **kw})
+
+            try:
+                completions = await self.env.rollout(generate, example, n, **sampling)
+                # Most scores finish without suspending: no task per completion for those.
+                scored = await gather_now([self.env.score(example, c) for c in completions], timeout=self.env_timeout)
+                return completions, scored
+            except (InferenceError, asyncio.CancelledError):
+                raise
+            except asyncio.TimeoutError:
+                error = note_fault(self, f"group {group_id} of prompt {example.prompt_id}", TimeoutError(
+                    f"a reward function did not answer within {self.env_timeout:g} s (setting env_timeout)"), attempt)
+            except Exception as exc:  # noqa: BLE001 - the environment's fault: retried
+                error = note_fault(self, f"group {group_id} of prompt {example.prompt_id}", exc, attempt)
+        raise GroupFailed(f"failed {self.env_retries + 1} times; last error: {error}")
+
+    async def sample_one(self, example: Example, *, min_version: int, sampling: dict[str, Any],
+                         label: str) -> tuple[Completion, tuple[float, dict[str, float]]]:
+        """One completion of `example`, scored (evals): a whole conversation for a multi-turn
+        environment. Environment faults are retried as for training groups."""
+        if self.multiturn:
+            completion, scored = await trajectory(self, example, label, min_version=min_version, seed=0,
+                                                  sampling=sampling)
+            assert scored is not None
+            return completion, scored
+        completions = await self.generate(self.env.format_prompt(example), n=1, min_version=min_version, **sampling)
+        return completions[0], await score(self, example, completions[0])
 
 
 def summarize_batch(step: int, samples: list[dict[str, Any]], started_at: float, sealed_at: float) -> BatchStats:

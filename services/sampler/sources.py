@@ -7,10 +7,11 @@ carry no GRPO signal and are dropped; replacements come from a separate, equally
 batch is filled with the dropped groups it has (advantage 0, so harmless) rather than
 spinning, and the batch stats say so (`filter_exhausted`).
 
-A group with a non-finite reward (`Group.invalid`, set by `Rollouts.group`) is never kept,
+A group with a non-finite reward, or whose environment failed every retry (`Group.invalid`,
+set by `Rollouts.group`), is never kept,
 filter or not: it is replaced from the same extra stream within the same bound. Only when
 the bound is spent and the batch is still short (zero-variance groups fill first) does the
-build fail, with an error naming the environments whose reward function needs fixing; the
+build fail, with an error naming the environments that need fixing; the
 producer retries it and /status shows the error meanwhile.
 """
 
@@ -148,9 +149,9 @@ class FreshGroups:
         if len(kept) < count:
             envs = sorted({g.info.get("lesson", self.env_name) for g in invalid})
             raise RuntimeError(
-                f"step {step}: {len(invalid)} group(s) had non-finite rewards and the refill bound "
+                f"step {step}: {len(invalid)} group(s) were unusable and the refill bound "
                 f"(max_oversample {self.max_extra_per_slot:g}: {budget} extra groups) is spent with {len(kept)} of "
-                f"{count} usable groups; fix the reward function of {', '.join(envs)} so it returns finite numbers"
+                f"{count} usable groups; fix environment {', '.join(envs)} (last: {invalid[-1].invalid})"
             )
         kept = kept[:count]
         for group in kept:

@@ -62,3 +62,42 @@ class LetterEnv(CountEnv):
 
     def examples(self, split):
         return [Example(f"letter/{split}/{i}", f"letter {chr(97 + i % 26)}", answer=i) for i in range(self.size)]
+
+
+# --- multi-turn ------------------------------------------------------------------------------
+
+from services.sampler.envs.multiturn import Conversation, MultiTurnEnvironment  # noqa: E402
+
+
+async def _turns(example: Example, completion: Completion) -> float:
+    return float(len(completion.conversation.turns))
+
+
+class EchoDialogue(MultiTurnEnvironment):
+    """`size` prompts; the environment answers every model turn with "next <k>" until
+    `max_turns`. `fail` makes env_response raise: "always", "first" (each trajectory's first
+    attempt only, remembered per prompt and sample) or "odd" (always, for odd prompts only);
+    `sleep` makes it take that long (async)."""
+
+    name = "echo_dialogue"
+    rewards = (Reward("turns", _turns, 1.0),)
+
+    def __init__(self, size: int = 20, max_turns: int = 3, fail: str = "", sleep: float = 0.0):
+        self.size, self.max_turns, self.fail, self.sleep = int(size), int(max_turns), str(fail), float(sleep)
+        self.failed: set[str] = set()
+
+    def examples(self, split):
+        return [Example(f"echo/{split}/{i}", f"hello {i}", answer=i) for i in range(self.size)]
+
+    async def env_response(self, convo: Conversation):
+        import asyncio
+
+        if self.sleep:
+            await asyncio.sleep(self.sleep)
+        key = f"{convo.example.prompt_id}/{id(convo)}"
+        if self.fail == "always" or (self.fail == "odd" and convo.example.answer % 2):
+            raise RuntimeError(f"env broke on {convo.example.prompt_id}")
+        if self.fail == "first" and convo.example.prompt_id not in self.failed:
+            self.failed.add(convo.example.prompt_id)
+            raise RuntimeError(f"env broke once on {key}")
+        return [{"role": "user", "content": f"next {len(convo.turns)}"}]

@@ -6,20 +6,31 @@ from typing import Any
 
 from services.sampler.plugins import load_by_path
 from services.sampler.envs.base import Completion, Environment, Example, Reward
+from services.sampler.envs.multiturn import Conversation, Message, MultiTurnEnvironment, Tool, Turn
 
 BUILTINS = {
     "toy": "services.sampler.envs.toy:ToyEnv",
     "math": "services.sampler.envs.math:MathEnv",
+    "parity_dialogue": "services.sampler.envs.parity_dialogue:ParityDialogueEnv",
+    "calculator": "services.sampler.envs.calculator:CalculatorEnv",
 }
 
 
 def load_environment(name: str, **kwargs: Any) -> Environment:
-    """`name` is a built-in ('toy', 'math') or 'package.module:factory'."""
+    """`name` is a built-in (see BUILTINS) or 'package.module:factory'."""
     factory = load_by_path(BUILTINS.get(name, name), "environment", list(BUILTINS))
     env = factory(**kwargs)
     if not isinstance(env, Environment):
         raise ValueError(f"environment {name!r} is a {type(env).__name__}, not an Environment")
+    check_environment(env)
     return env
 
 
-__all__ = ["Completion", "Environment", "Example", "Reward", "load_environment"]
+def check_environment(env: Environment) -> None:
+    """Refuse an environment's bad settings before the sampler starts, naming them."""
+    if isinstance(env, MultiTurnEnvironment):
+        env.check()
+
+
+__all__ = ["Completion", "Conversation", "Environment", "Example", "Message", "MultiTurnEnvironment", "Reward",
+           "Tool", "Turn", "check_environment", "load_environment"]

@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from services.sampler.multiturn.workers import is_async
+
 Split = Literal["train", "eval"]
 
 
@@ -50,6 +52,8 @@ class Completion:
     # sampler sets 0 where the server reported no finite logprob (null, NaN, inf); an
     # environment that builds its own Completion from generated ones must carry those zeros.
     loss_mask: list[int] | None = None
+    # A multi-turn trajectory's `Conversation` (envs/multiturn.py): its turns and messages.
+    conversation: Any = None
 
 
 class Generate(Protocol):
@@ -58,7 +62,8 @@ class Generate(Protocol):
     def __call__(self, prompt: str, *, n: int, **sampling: Any) -> Awaitable[list[Completion]]: ...
 
 
-RewardFn = Callable[[Example, Completion], Awaitable[float]]
+# `async def f(example, completion) -> float`, or a plain function (run in a worker thread).
+RewardFn = Callable[[Example, Completion], Awaitable[float] | float]
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ class Reward:
     name: str
     fn: RewardFn
     weight: float = 1.0
+    # Set from `fn`: a plain (synchronous) function runs in the sampler's worker threads.
+    is_async: bool = field(init=False, default=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_async", is_async(self.fn))
 
 
 class _Resume:
@@ -111,9 +121,10 @@ def run_now(awaitable: Awaitable[Any]) -> tuple[bool, Any]:
     return False, _Resume(awaitable, yielded)
 
 
-async def gather_now(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
+async def gather_now(awaitables: Sequence[Awaitable[Any]], timeout: float | None = None) -> list[Any]:
     """`asyncio.gather(*awaitables)` (results in order, first exception raised), without a
-    task for each awaitable that `run_now` can finish on the spot."""
+    task for each awaitable that `run_now` can finish on the spot. `timeout` bounds the wait
+    for those that suspend (`asyncio.TimeoutError`; they are cancelled)."""
     results: list[Any] = [None] * len(awaitables)
     pending: list[tuple[int, Awaitable[Any]]] = []
     try:
@@ -131,7 +142,8 @@ async def gather_now(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
             _close(aw)
         raise
     if pending:
-        values = await asyncio.gather(*(aw for _, aw in pending))
+        gathered = asyncio.gather(*(aw for _, aw in pending))
+        values = await (gathered if timeout is None else asyncio.wait_for(gathered, timeout))
         for (i, _), value in zip(pending, values):
             results[i] = value
     return results
@@ -150,6 +162,9 @@ class Environment:
     rewards: Sequence[Reward] = ()
     # Sampling defaults the environment needs (e.g. stop strings); the sampler's settings win.
     sampling: dict[str, Any] = {}
+    # Runs synchronous reward functions off the event loop; the sampler sets it
+    # (multiturn/workers.py). Unset, they run inline.
+    workers: Any = None
 
     def examples(self, split: Split) -> Sequence[Example]:
         raise NotImplementedError
@@ -162,7 +177,13 @@ class Environment:
 
     async def score(self, example: Example, completion: Completion) -> tuple[float, dict[str, float]]:
         """Weighted sum of the reward functions, and each one's raw value by name."""
-        values = await gather_now([r.fn(example, completion) for r in self.rewards])
+        values = await gather_now([r.fn(example, completion) if r.is_async else self._call_sync(r.fn, example, completion)
+                                   for r in self.rewards])
         by_name = {r.name: float(v) for r, v in zip(self.rewards, values)}
         total = sum(r.weight * by_name[r.name] for r in self.rewards)
         return float(total), by_name
+
+    async def _call_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.workers is None:
+            return fn(*args)
+        return await self.workers.call(fn, *args)

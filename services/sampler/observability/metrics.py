@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.sampler.inference_pool import OK, STATES
+from services.sampler.multiturn.stats import FIELDS, EnvStats
 from services.sampler.redis_link import RedisLink, is_outage
 from shared import contract
 
@@ -98,6 +99,7 @@ class _StateCollector(Collector):
         for url, count in sorted(nonfinite.logprobs.items()):
             logprobs.add_metric([url], count)
         yield from (rewards, groups, logprobs)
+        yield from env_metrics(rollouts.env_stats)
         yield CounterMetricFamily("tandem_sampler_inference_answers_dropped",
                                   "answers dropped because their server had lost its weights (restarted)",
                                   value=pool.stats.backwards)
@@ -216,3 +218,26 @@ class SamplerMetrics:
     async def render(self) -> bytes:
         await self.refresh()
         return generate_latest(self.registry)
+
+
+_ENV_HELP = {
+    "trajectories": "multi-turn trajectories completed",
+    "turns": "model turns of multi-turn trajectories",
+    "tool_calls": "tool calls the model made",
+    "tool_errors": "tool calls that raised, were malformed or named no tool (answered with an error message)",
+    "tool_timeouts": "tool calls that passed their timeout (answered with an error message)",
+    "env_errors": "environment turns or rewards that raised or passed env_timeout",
+    "trajectory_retries": "trajectories run again after an environment failure",
+    "groups_dropped": "groups dropped (and refilled) after a trajectory failed every retry",
+}
+
+
+def env_metrics(stats: EnvStats) -> list[CounterMetricFamily]:
+    """`tandem_sampler_env_<counter>{env}`: what environments did (multiturn/stats.py)."""
+    families = []
+    for name in FIELDS:
+        family = CounterMetricFamily(f"tandem_sampler_env_{name}", _ENV_HELP[name], labels=["env"])
+        for env, counts in sorted(stats.by_env.items()):
+            family.add_metric([env], getattr(counts, name))
+        families.append(family)
+    return families

@@ -89,6 +89,9 @@ async def get_status(state: State) -> dict[str, Any]:
         "strategy": state.strategy.snapshot(),
         "dynamic_sampling": state.source.snapshot(),
         "nonfinite": state.rollouts.nonfinite.snapshot(),
+        # Per environment: turns, tool calls and failures, retried trajectories, dropped groups.
+        "environments": state.rollouts.env_stats.snapshot(),
+        "env_workers": {"size": state.rollouts.workers.size, "busy": state.rollouts.workers.busy},
         "curriculum": state.curriculum.snapshot(state.producer.next_step) if state.curriculum else None,
         "inference_servers": [srv.snapshot() for srv in pool.servers],
         "trainer": stored["trainer"] if stored else None,

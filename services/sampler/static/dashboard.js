@@ -302,9 +302,19 @@ function renderStatus(st) {
   setText("tps", t.recent_tokens_per_second ?? t.tokens_per_second, 0);
   setText("reward", st.rewards ? st.rewards.last_batch_mean : null, 3);
   setText("eval-reward", st.rewards && st.rewards.last_eval ? st.rewards.last_eval.reward_mean : null, 3);
+  const envs = Object.values(st.environments || {});
+  const total = (key) => envs.reduce((sum, e) => sum + (e[key] || 0), 0);
+  setText("env-turns", total("turns"), 0);
+  setText("env-tools", total("tool_calls"), 0);
+  setText("env-tool-errors", total("tool_errors") + total("tool_timeouts"), 0);
+  setText("env-retries", total("trajectory_retries"), 0);
+  setText("env-dropped", total("groups_dropped"), 0);
   renderServers(st.inference_servers);
   const problems = [st.steps.last_error, ...st.steps.in_progress.map((p) => p.error)].filter(Boolean);
   if (st.rollout_log && st.rollout_log.last_error) problems.push("rollout log: " + st.rollout_log.last_error);
+  for (const [name, e] of Object.entries(st.environments || {})) {
+    if (e.groups_dropped && e.last_error) problems.push(`environment ${name}: ${e.groups_dropped} group(s) dropped; last error: ${e.last_error}`);
+  }
   $("error").hidden = !problems.length;
   $("error").textContent = [...new Set(problems)].join("\n");
 }

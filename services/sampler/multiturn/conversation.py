@@ -1,0 +1,125 @@
+"""One multi-turn trajectory, turn by turn, and the one sample it becomes.
+
+Each turn's prompt, as token ids, is the previous prompt + the ids the model sampled + the
+ids of the environment's answer (render.py). The trajectory's `Completion` holds, after the
+opening prompt, every id of every turn:
+
+    token_ids  = sampled(1) + env(1) + sampled(2) + env(2) + ... + sampled(k)
+    loss_mask  = 1 on sampled ids (0 where the server sent no finite logprob), 0 on env ids
+    logprobs   = the behaviour logprobs of sampled ids, 0.0 on env ids
+    versions   = every weight version that produced a sampled id (oldest first)
+
+so the trainer scores exactly the ids that were sampled, in the context they were sampled
+in. The conversation ends when the environment says so, after `max_turns` model turns, or
+when the context is full: then `finish_reason` is "length" (the sampler's
+`mask_truncated_completions` applies), otherwise "stop".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from services.sampler.envs.base import Completion, Example
+from services.sampler.envs.multiturn import Conversation, MultiTurnEnvironment, Turn
+from services.sampler.multiturn.render import ChatRenderer
+from services.sampler.multiturn.stats import EnvCounts
+from services.sampler.multiturn.tools import run_tool_calls
+from services.sampler.multiturn.workers import Workers
+from shared.toolcalls import parse_tool_calls
+
+# (prompt ids, max_tokens) -> the one completion sampled from them.
+TurnGenerate = Callable[[list[int], int], Awaitable[Completion]]
+
+
+class EnvFault(RuntimeError):
+    """An environment turn or reward raised or passed its timeout (the trajectory is retried)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int               # per model turn
+    max_model_len: int | None     # the context: prompt + every turn; None = unknown (no check)
+    env_timeout: float            # seconds for one env_response (and one reward)
+
+
+async def run_conversation(env: MultiTurnEnvironment, example: Example, *, generate: TurnGenerate,
+                           renderer: ChatRenderer, workers: Workers, counts: EnvCounts,
+                           limits: Limits, trajectory: str) -> Completion:
+    tools = {tool.name: tool for tool in env.tools}
+    schemas = [tool.schema() for tool in env.tools] or None
+    convo = Conversation(example=example, messages=list(env.initial_messages(example)))
+    prompt = await renderer.prompt(convo.messages, schemas)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    mask: list[int] = []
+    versions: set[int] = set()
+    finish = "stop"
+    context = limits.max_model_len
+    for turn_index in range(env.max_turns):
+        room = limits.max_tokens if context is None else min(limits.max_tokens, context - len(prompt) - len(ids))
+        if room <= 0:
+            finish, convo.ended_by = "length", "length"
+            break
+        c = await generate(prompt + ids, room)
+        ids += c.token_ids
+        logprobs += c.logprobs
+        mask += c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids)
+        versions.update(c.versions)
+        content, calls = parse_tool_calls(c.text, f"{trajectory}-t{turn_index}") if tools else (c.text, [])
+        convo.turns.append(Turn(c.text, c.token_ids, c.finish_reason, calls))
+        message = {"role": "assistant", "content": content if calls else c.text}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        convo.messages.append(message)
+        counts.turns += 1
+        if c.finish_reason == "length" and room < limits.max_tokens and len(c.token_ids) >= room:
+            finish, convo.ended_by = "length", "length"  # the context filled up mid-turn
+            break
+        if turn_index + 1 == env.max_turns:
+            convo.ended_by = "max_turns"
+            break
+        if calls:
+            convo.tool_calls += len(calls)
+            new, failed = await run_tool_calls(calls, tools, workers, counts, env.name)
+            convo.tool_errors += failed
+        else:
+            new = await env_step(env, convo, workers, limits.env_timeout)
+        if not new:
+            convo.ended_by = "env"
+            break
+        convo.messages += new
+        delta = await renderer.after_turn(c.token_ids, new, schemas)
+        if context is not None and len(prompt) + len(ids) + len(delta) >= context:
+            # The answer leaves no room for another token: nothing more can be sampled.
+            finish, convo.ended_by = "length", "length"
+            break
+        ids += delta
+        logprobs += [0.0] * len(delta)
+        mask += [0] * len(delta)
+    counts.trajectories += 1
+    return Completion(
+        text="".join(turn.text for turn in convo.turns),
+        prompt_token_ids=prompt,
+        token_ids=ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        versions=sorted(versions),
+        loss_mask=mask,
+        conversation=convo,
+    )
+
+
+async def env_step(env: MultiTurnEnvironment, convo: Conversation, workers: Workers,
+                   timeout: float) -> list[dict] | None:
+    """`env.env_response(convo)` within `timeout`; a failure is an `EnvFault`."""
+    try:
+        new = await asyncio.wait_for(workers.call(env.env_response, convo), timeout)
+    except asyncio.TimeoutError:
+        raise EnvFault(f"env_response did not answer within {timeout:g} s (setting env_timeout)") from None
+    except Exception as exc:  # noqa: BLE001 - the environment's code: retried by the caller
+        raise EnvFault(f"env_response raised {type(exc).__name__}: {exc}") from exc
+    if new is not None and not (isinstance(new, list) and all(isinstance(m, dict) and "role" in m for m in new)):
+        raise EnvFault(f"env_response must return a list of messages (dicts with 'role') or None, got {new!r:.200}")
+    return new

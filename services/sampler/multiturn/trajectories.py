@@ -1,0 +1,101 @@
+"""A group's trajectories: `n` conversations of one prompt, run concurrently, each scored,
+each retried on its own when the environment fails.
+
+An environment turn or a reward that raises or passes `env_timeout` fails its trajectory,
+which is run again from the start (a fresh seed), at most `env_retries` times. Retrying,
+not skipping: a batch that skipped failing trajectories would lean towards the prompts that
+do not fail, often the easy ones. A trajectory that fails every retry fails its group
+(`GroupFailed`); the group's slot is refilled like a group with non-finite rewards
+(sources.py). Inference failures are not the environment's: they propagate as they do for
+single-turn groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from services.sampler.envs.base import Completion, Example
+from services.sampler.inference_pool import InferenceError
+from services.sampler.multiturn.conversation import EnvFault, Limits, run_conversation
+
+if TYPE_CHECKING:
+    from services.sampler.rollout import Rollouts
+
+log = logging.getLogger("tandem.sampler.multiturn")
+
+Scored = tuple[float, dict[str, float]]
+
+
+class GroupFailed(RuntimeError):
+    """A trajectory (or a single-turn group) failed every retry."""
+
+
+def note_fault(rollouts: Rollouts, what: str, exc: BaseException, attempt: int) -> str:
+    """Count and log one environment failure; the error in words."""
+    counts = rollouts.env_stats.of(rollouts.env.name)
+    counts.env_errors += 1
+    error = str(exc) if isinstance(exc, EnvFault) else f"{type(exc).__name__}: {exc}"
+    counts.last_error = f"{what}: {error}"
+    retrying = attempt < rollouts.env_retries
+    counts.trajectory_retries += int(retrying)
+    log.warning("environment %r, %s failed (attempt %d of %d): %s%s", rollouts.env.name, what, attempt + 1,
+                rollouts.env_retries + 1, error, "; retrying" if retrying else "",
+                exc_info=not isinstance(exc, (EnvFault, asyncio.TimeoutError)))
+    return error
+
+
+async def score(rollouts: Rollouts, example: Example, completion: Completion) -> Scored:
+    try:
+        return await asyncio.wait_for(rollouts.env.score(example, completion), rollouts.env_timeout)
+    except asyncio.TimeoutError:
+        raise EnvFault(f"a reward function did not answer within {rollouts.env_timeout:g} s "
+                       "(setting env_timeout)") from None
+
+
+async def trajectory(rollouts: Rollouts, example: Example, label: str, *, min_version: int, seed: int,
+                     sampling: dict[str, Any], scored: bool = True) -> tuple[Completion, Scored | None]:
+    """One trajectory `label`, retried; its completion and (when `scored`) its score."""
+    from services.sampler.rollout import derive_seed
+
+    env = rollouts.env
+    max_model_len = await rollouts.context_length()
+    limits = Limits(max_tokens=int(sampling.get("max_tokens") or rollouts.max_tokens), max_model_len=max_model_len,
+                    env_timeout=rollouts.env_timeout)
+    error = ""
+    for attempt in range(rollouts.env_retries + 1):
+        session = f"{label}/{attempt}"
+        attempt_seed = derive_seed(seed, label, attempt)
+
+        async def generate(prompt_ids: list[int], max_tokens: int) -> Completion:
+            request = {"seed": attempt_seed, **sampling, "max_tokens": max_tokens}
+            completions = await rollouts.generate(prompt_ids, n=1, min_version=min_version, session=session,
+                                                  **request)
+            return completions[0]
+
+        try:
+            completion = await run_conversation(
+                env, example, generate=generate, renderer=rollouts.renderer, workers=rollouts.workers,
+                counts=rollouts.env_stats.of(env.name), limits=limits, trajectory=session)
+            return completion, (await score(rollouts, example, completion) if scored else None)
+        except (InferenceError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the environment's fault: retried
+            error = note_fault(rollouts, f"trajectory {label} of prompt {example.prompt_id}", exc, attempt)
+        finally:
+            rollouts.pool.release(session)
+    raise GroupFailed(f"trajectory {label} failed {rollouts.env_retries + 1} times; last error: {error}")
+
+
+async def group_trajectories(rollouts: Rollouts, example: Example, group_id: str, n: int, *, min_version: int,
+                             seed: int, sampling: dict[str, Any]) -> tuple[list[Completion], list[Scored]]:
+    """`n` scored trajectories; when one fails for good the others are cancelled."""
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            running = [tasks.create_task(trajectory(rollouts, example, f"{group_id}/{i}", min_version=min_version,
+                                                    seed=seed, sampling=sampling)) for i in range(n)]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    results = [task.result() for task in running]
+    return [c for c, _ in results], [s for _, s in results]  # type: ignore[misc]
