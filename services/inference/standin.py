@@ -72,6 +72,8 @@ class StandInState:
     # engine. Unlike a pause, the sampler's own weight syncs (pause ... resume) do not undo it.
     running: asyncio.Event = field(default_factory=asyncio.Event)
     max_model_len: int = 4096
+    # X-Session-ID header -> completion requests that carried it (session affinity tests).
+    sessions: dict[str, int] = field(default_factory=dict)
     model_id: str = "standin"
 
     def __post_init__(self) -> None:
@@ -138,6 +140,13 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         max_tokens = body.get("max_tokens", 16)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, f"max_tokens must be at least 1, got {max_tokens}")
+        if len(prompt_ids) + max_tokens > s.max_model_len:  # as vLLM refuses it
+            return _error(400, f"This model's maximum context length is {s.max_model_len} tokens. However, you "
+                               f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                               f"{max_tokens} for the completion).")
+        session = request.headers.get("x-session-id")
+        if session is not None:
+            s.sessions[session] = s.sessions.get(session, 0) + 1
         temperature = float(body.get("temperature", 1.0))
         seed = body.get("seed")
         rng = random.Random(seed if seed is not None else time.perf_counter_ns())
@@ -310,7 +319,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
     @app.post("/_standin/configure")
     async def configure(request: Request) -> dict[str, Any]:
         """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null, "replies":
-        [text, ...] or null, "stale_reloads": bool, "hung": bool}; omitted keys stay."""
+        [text, ...] or null, "stale_reloads": bool, "hung": bool, "max_model_len": int}; omitted keys stay."""
         s, body = st(request), await _json_object(request)
         if isinstance(body, JSONResponse):
             return body
@@ -327,6 +336,8 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
             s.replies = replies
         if "stale_reloads" in body:
             s.stale_reloads = bool(body["stale_reloads"])
+        if "max_model_len" in body:
+            s.max_model_len = int(body["max_model_len"])
         if body.get("hung") is True:
             s.running.clear()
         elif "hung" in body:
@@ -338,6 +349,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
     async def stats(request: Request) -> dict[str, Any]:
         s = st(request)
         return {"requests": s.requests, "reloads": s.reloads, "version": s.version, "paused": s.paused,
+                "sessions": s.sessions,
                 "weights": s.weights}
 
     return app

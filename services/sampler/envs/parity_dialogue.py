@@ -7,10 +7,16 @@ on. Reward `correct` = the fraction of the numbers answered right (only the firs
 non-space character of each answer counts, as in the toy task); a conversation cut short
 counts its missing answers as wrong.
 
-It is learnable from scratch by the tiny model: each answer depends only on the last digit
-of the latest number, a fixed number of tokens back (the template's end-of-turn and
-assistant header sit between them), so the model learns one attention offset and the same
-ten-row lookup as the toy task. `make demo ARGS="--env parity_dialogue"` trains it.
+It is learnable from scratch by the tiny model, and the default of one-digit numbers
+(`max_digits` 1) is what makes it so. Between a number and the model's answer the template
+writes a fixed 13-token suffix (`<|im_end|>`, the assistant header), so the answer must be
+read through attention, and with RoPE an untrained model's attention sees an unordered bag
+of the digits before it: with one-digit numbers the first turn's bag holds exactly the
+digit that matters, GRPO gets a signal at once, and sharpening attention to the latest
+number then pays for the later turns. With four-digit numbers the bag holds four digits and
+the policy settled on one letter (greedy eval 0.52 for 300 steps at learning rates 1e-3 and
+3e-3); supervised training learns either in ~100 steps. `make demo ARGS="--env
+parity_dialogue"` trains it (README "Demo").
 
 Examples are seeded and stable: distinct conversations (sequences of numbers) from one seeded
 stream, the first `num_eval` for eval and the next `num_train` for training, so no eval

@@ -1,0 +1,84 @@
+"""Session affinity: every turn of a trajectory goes to one inference server (its prefix cache
+holds the conversation) and carries the trajectory's id in vLLM's X-Session-ID header;
+trajectories spread over servers by outstanding requests; a server that leaves mid-conversation
+hands its trajectories to another; a weight update mid-conversation shows in the versions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from services.sampler.inference_pool import LEAVING
+from tests.support.envs import EchoDialogue
+from tests.support.servers import start_standin
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def two_standins():
+    servers = [start_standin(token_latency=0.002), start_standin(token_latency=0.002)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def sessions(server) -> dict[str, int]:
+    return httpx.get(server.url + "/_standin/stats").json()["sessions"]
+
+
+async def test_every_turn_of_a_trajectory_goes_to_one_server_and_trajectories_spread(two_standins, make_rollouts):
+    env = EchoDialogue(max_turns=3)
+    rollouts = make_rollouts(env, [s.url for s in two_standins], max_tokens=6)
+    groups = await asyncio.gather(*(rollouts.group(ex, f"g{i}", min_version=0, seed=i, n=4)
+                                    for i, ex in enumerate(env.examples("train")[:4])))
+    assert all(g.invalid is None for g in groups)
+    seen = [sessions(s) for s in two_standins]
+    # 16 trajectories x 3 turns, each trajectory's id on exactly one server, 3 requests there.
+    assert set(seen[0]).isdisjoint(seen[1])
+    assert len(seen[0]) + len(seen[1]) == 16
+    assert all(count == 3 for by_server in seen for count in by_server.values())
+    assert min(len(seen[0]), len(seen[1])) >= 4  # balanced by outstanding requests, not all on one
+    assert not rollouts.pool.sessions  # released when each trajectory ended
+
+
+async def test_a_server_leaving_mid_conversation_hands_its_trajectories_over(two_standins, make_rollouts):
+    env = EchoDialogue(max_turns=4)
+    first, second = two_standins
+    rollouts = make_rollouts(env, [first.url, second.url], max_tokens=40)
+    httpx.post(first.url + "/_standin/configure", json={"reply": "x" * 40}).raise_for_status()
+    task = asyncio.create_task(rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=6))
+    leaving = rollouts.pool.find(first.url)
+    while not any(url == leaving.url for url in rollouts.pool.sessions.values()):
+        await asyncio.sleep(0.01)
+    rollouts.pool.set_state(leaving, LEAVING, "removed by the test")
+    group = await task
+    assert group.invalid is None and all(len(c.conversation.turns) == 4 for c in group.completions)
+    moved = set(sessions(first)) & set(sessions(second))
+    assert moved  # some trajectory started on the first server and finished on the second
+    for session in moved:
+        assert sessions(first)[session] + sessions(second)[session] == 4
+
+
+async def test_a_weight_update_mid_conversation_shows_in_the_versions(standin, make_rollouts):
+    env = EchoDialogue(max_turns=3)
+    rollouts = make_rollouts(env, [standin.url], max_tokens=4)
+    server = rollouts.pool.servers[0]
+    calls = 0
+    original = rollouts.generate
+
+    async def generate(prompt, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # between the first and the second turn: the server moves to version 1
+            httpx.post(standin.url + "/update_weight_version", json={"new_version": "1"}).raise_for_status()
+            rollouts.pool.set_version(server.url, 1)
+        return await original(prompt, **kw)
+
+    rollouts.generate = generate
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=1)
+    (c,) = group.completions
+    assert c.versions == [0, 1] and group.policy_versions == [0]
+    assert group.samples(env.name)[0]["versions"] == [0, 1]

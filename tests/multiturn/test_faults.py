@@ -1,0 +1,139 @@
+"""Environment faults and limits: a failing environment turn or reward is retried (the
+trajectory, from the start), then its group is dropped and counted; a conversation that
+outgrows the context ends with finish_reason "length"; synchronous environment code runs in
+worker threads, never stalling the event loop; bad environment settings are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from services.sampler.envs import load_environment
+from services.sampler.envs.base import Completion, Example, Reward
+from tests.support.envs import CountEnv, EchoDialogue
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_an_env_turn_that_fails_once_is_retried_and_the_group_is_whole(standin, make_rollouts):
+    env = EchoDialogue(fail="first")
+    rollouts = make_rollouts(env, [standin.url])
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0)
+    assert group.invalid is None and len(group.completions) == 4
+    assert all(len(c.conversation.turns) == 3 for c in group.completions)
+    counts = rollouts.env_stats.of("echo_dialogue")
+    assert counts.env_errors == 1 and counts.trajectory_retries == 1 and counts.groups_dropped == 0
+    assert "env broke once" in counts.last_error
+
+
+async def test_an_env_turn_that_always_fails_drops_its_group_after_the_retries(standin, make_rollouts, caplog):
+    env = EchoDialogue(fail="always")
+    rollouts = make_rollouts(env, [standin.url], env_retries=2)
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=1)
+    assert group.invalid is not None and "failed 3 times" in group.invalid and "env broke" in group.invalid
+    with pytest.raises(ValueError, match="cannot become samples"):
+        group.samples(env.name)
+    counts = rollouts.env_stats.of("echo_dialogue")
+    assert counts.groups_dropped == 1 and counts.trajectory_retries == 2 and counts.env_errors == 3
+    assert "the group is dropped and its slot refilled" in caplog.text
+    assert not rollouts.pool.sessions  # every trajectory's session was released
+
+
+async def test_an_env_turn_past_env_timeout_is_a_fault(standin, make_rollouts):
+    env = EchoDialogue(sleep=1.0)
+    rollouts = make_rollouts(env, [standin.url], env_timeout=0.1, env_retries=1)
+    started = time.monotonic()
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0)
+    assert time.monotonic() - started < 1.0
+    assert group.invalid is not None and "did not answer within 0.1 s (setting env_timeout)" in group.invalid
+
+
+async def _raises(example: Example, completion: Completion) -> float:
+    raise ValueError("reward broke")
+
+
+def _sleeps(example: Example, completion: Completion) -> float:
+    time.sleep(0.3)  # synchronous: runs in a worker thread
+    return 1.0
+
+
+class BrokenRewardEnv(CountEnv):
+    rewards = (Reward("broken", _raises),)
+
+
+class SlowSyncRewardEnv(CountEnv):
+    rewards = (Reward("slow", _sleeps),)
+
+
+async def test_a_single_turn_reward_that_raises_is_retried_then_the_group_dropped(standin, make_rollouts):
+    env = BrokenRewardEnv()
+    rollouts = make_rollouts(env, [standin.url], env_retries=1)
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=3)
+    assert group.invalid is not None and "ValueError: reward broke" in group.invalid
+    counts = rollouts.env_stats.of("count")
+    assert counts.env_errors == 2 and counts.trajectory_retries == 1 and counts.groups_dropped == 1
+
+
+async def test_synchronous_rewards_run_in_worker_threads_off_the_event_loop(standin, make_rollouts):
+    env = SlowSyncRewardEnv()
+    rollouts = make_rollouts(env, [standin.url], env_timeout=5)
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0)
+    done.set()
+    await tick
+    assert group.invalid is None and group.rewards == [1.0] * 4
+    # Four 0.3 s rewards on two worker threads: 0.6 s, during which the loop kept ticking.
+    assert sum(gaps) >= 0.55 and max(gaps) < 0.15, max(gaps)
+
+
+async def test_a_conversation_that_outgrows_the_context_ends_with_length(standin, make_rollouts):
+    # The stand-in answers 8 bytes a turn; its context is cut to fit the opening and ~1.5 turns.
+    env = EchoDialogue(max_turns=6)
+    opening = len("<|im_start|>user\nhello 0<|im_end|>\n<|im_start|>assistant\n")
+    per_turn = 8 + len("<|im_end|>\n<|im_start|>user\nnext 1<|im_end|>\n<|im_start|>assistant\n")
+    httpx.post(standin.url + "/_standin/configure", json={"replies": ["abcdefgh"],
+                                                          "max_model_len": opening + per_turn + 4}).raise_for_status()
+    rollouts = make_rollouts(env, [standin.url], max_tokens=16)
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=2)
+    assert group.invalid is None
+    for c in group.completions:
+        assert c.finish_reason == "length" and c.conversation.ended_by == "length"
+        assert len(c.conversation.turns) == 2 and c.conversation.turns[1].text == "abcd"
+        assert len(c.prompt_token_ids) + len(c.token_ids) == opening + per_turn + 4
+    samples = group.samples(env.name)
+    assert {s["finish_reason"] for s in samples} == {"length"}
+
+
+@pytest.mark.parametrize("name, args, setting", [
+    ("parity_dialogue", {"turns": 0}, "turns"),
+    ("parity_dialogue", {"max_tokens": 0}, "max_tokens"),
+    ("parity_dialogue", {"max_digits": 9}, "max_digits"),
+    ("calculator", {"max_turns": 1}, "max_turns"),
+])
+def test_bad_environment_settings_are_refused_naming_the_setting(name, args, setting):
+    with pytest.raises(ValueError, match=setting):
+        load_environment(name, **args)
+
+
+def test_a_multi_turn_environment_with_bad_max_turns_is_refused():
+    class Broken(EchoDialogue):
+        pass
+
+    env = Broken()
+    env.max_turns = 0
+    with pytest.raises(ValueError, match="max_turns must be an integer >= 1"):
+        env.check()

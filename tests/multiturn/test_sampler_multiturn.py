@@ -1,0 +1,58 @@
+"""A whole sampler running multi-turn environments on the stand-in: batches seal with one sample
+per trajectory (valid `Sample`s, masks and logprobs aligned), an environment that fails for some
+prompts costs refills, never a batch, and is counted in /status, /metrics and the dashboard's
+data; POST /eval runs whole conversations."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from shared.wire import Sample
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def test_multi_turn_batches_seal_with_one_sample_per_trajectory(make_sampler):
+    sampler = make_sampler(env="tests.support.envs:EchoDialogue", env_args='{"max_turns": 3}', max_tokens=4)
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        body = (await http.get("/batch", params={"step": 0, "timeout": 30})).json()
+        status = (await http.get("/status")).json()
+    assert len(body["samples"]) == 16
+    for raw in body["samples"]:
+        sample = Sample.model_validate(raw)
+        assert len(sample.loss_mask) == len(sample.completion_token_ids) == len(sample.completion_logprobs)
+        text = bytes(sample.completion_token_ids).decode()
+        assert text.count("<|im_start|>user\nnext ") == 2  # two environment turns between three model turns
+        assert sum(sample.loss_mask) <= 12 and sample.reward == 3.0
+    counts = status["environments"]["echo_dialogue"]
+    assert counts["trajectories"] >= 16 and counts["turns"] == 3 * counts["trajectories"]
+    assert status["env_workers"]["size"] == 4
+
+
+async def test_an_environment_failing_for_some_prompts_costs_refills_not_batches(make_sampler):
+    # Odd prompts always fail: their groups are dropped after the retries and refilled.
+    sampler = make_sampler(env="tests.support.envs:EchoDialogue", env_args='{"fail": "odd", "max_turns": 2}',
+                           max_tokens=4, env_retries=1, max_oversample=8)
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        for step in range(2):
+            body = (await http.get("/batch", params={"step": step, "timeout": 30})).json()
+            assert len(body["samples"]) == 16
+            assert all(int(s["prompt_id"].rsplit("/", 1)[1]) % 2 == 0 for s in body["samples"])
+        status = (await http.get("/status")).json()
+        metrics = (await http.get("/metrics")).text
+    counts = status["environments"]["echo_dialogue"]
+    assert counts["groups_dropped"] >= 1 and counts["trajectory_retries"] >= counts["groups_dropped"]
+    assert "env broke on echo/train/" in counts["last_error"]
+    dropped = next(line for line in metrics.splitlines()
+                   if line.startswith('tandem_sampler_env_groups_dropped_total{env="echo_dialogue"}'))
+    assert float(dropped.split()[-1]) == counts["groups_dropped"]
+
+
+async def test_eval_runs_whole_conversations(make_sampler):
+    sampler = make_sampler(env="tests.support.envs:EchoDialogue", env_args='{"max_turns": 3}', max_tokens=4)
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        eval_id = (await http.post("/eval", json={"num_examples": 3})).json()["eval_id"]
+        result = (await http.get(f"/eval/{eval_id}", params={"timeout": 30})).json()
+    assert result["status"] == "done", result
+    assert result["result"]["num_examples"] == 3 and result["result"]["reward_mean"] == 3.0  # three turns each
