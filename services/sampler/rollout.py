@@ -38,6 +38,8 @@ from shared.wire import BatchStats, new_sample
 
 log = logging.getLogger("tandem.sampler.rollout")
 
+# How `Group.invalid` starts for a group whose environment failed every retry (sources.py).
+ENV_FAILED = "the environment failed"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # A server that keeps sending bad logprobs is warned about at most this often.
 _LOGPROB_WARN_SECONDS = 60.0
@@ -384,7 +386,7 @@ class Rollouts:
                         self.env.name, example.prompt_id, group_id, exc)
             return Group(example=example, group_id=group_id, completions=[], rewards=[], reward_parts=[],
                          advantages=[], policy_versions=[min_version], info={"created_at": time.time()},
-                         invalid=f"the environment failed: {exc}")
+                         invalid=f"{ENV_FAILED}: {exc}")
         rewards = [total for total, _ in scored]
         parts = [by_name for _, by_name in scored]
         versions = [min(c.versions) if c.versions else min_version for c in completions]

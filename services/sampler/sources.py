@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.sampler.curriculum import Curriculum
-from services.sampler.rollout import DatasetOrder, Group, Rollouts, derive_seed
+from services.sampler.rollout import ENV_FAILED, DatasetOrder, Group, Rollouts, derive_seed
 
 log = logging.getLogger("tandem.sampler.sources")
 
@@ -147,11 +147,15 @@ class FreshGroups:
                         "filling with %d zero-variance groups", step, len(kept), count, used, missing)
             kept += flat[:missing]
         if len(kept) < count:
-            envs = sorted({g.info.get("lesson", self.env_name) for g in invalid})
+            envs = ", ".join(sorted({g.info.get("lesson", self.env_name) for g in invalid}))
+            failed = [g.invalid for g in invalid if g.invalid and g.invalid.startswith(ENV_FAILED)]
+            cause, advice = (("failed in their environment", f"fix environment {envs} (last error: {failed[-1]})")
+                             if failed else
+                             ("had non-finite rewards", f"fix the reward function of {envs} so it returns finite numbers"))
             raise RuntimeError(
-                f"step {step}: {len(invalid)} group(s) were unusable and the refill bound "
+                f"step {step}: {len(invalid)} group(s) {cause} and the refill bound "
                 f"(max_oversample {self.max_extra_per_slot:g}: {budget} extra groups) is spent with {len(kept)} of "
-                f"{count} usable groups; fix environment {', '.join(envs)} (last: {invalid[-1].invalid})"
+                f"{count} usable groups; {advice}"
             )
         kept = kept[:count]
         for group in kept:

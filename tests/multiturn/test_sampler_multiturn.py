@@ -5,6 +5,8 @@ data; POST /eval runs whole conversations."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -56,3 +58,19 @@ async def test_eval_runs_whole_conversations(make_sampler):
         result = (await http.get(f"/eval/{eval_id}", params={"timeout": 30})).json()
     assert result["status"] == "done", result
     assert result["result"]["num_examples"] == 3 and result["result"]["reward_mean"] == 3.0  # three turns each
+
+
+async def test_an_environment_that_always_fails_stops_the_build_with_its_error_not_the_sampler(make_sampler):
+    sampler = make_sampler(env="tests.support.envs:EchoDialogue", env_args='{"fail": "always"}', max_tokens=4,
+                           env_retries=0, prompts_per_step=2, num_generations=2, max_oversample=0.5)
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+        error = None
+        for _ in range(200):
+            status = (await http.get("/status")).json()
+            error = status["steps"]["last_error"]
+            if error:
+                break
+            await asyncio.sleep(0.05)
+        assert error and "failed in their environment" in error and "env broke on echo/train/" in error, error
+        assert (await http.get("/batch", params={"step": 0, "timeout": 0})).status_code == 204
+        assert (await http.get("/health")).status_code == 200  # the sampler itself is fine

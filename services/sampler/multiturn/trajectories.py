@@ -66,10 +66,14 @@ async def trajectory(rollouts: Rollouts, example: Example, label: str, *, min_ve
     error = ""
     for attempt in range(rollouts.env_retries + 1):
         session = f"{label}/{attempt}"
-        attempt_seed = derive_seed(seed, label, attempt)
+        turns = 0
 
         async def generate(prompt_ids: list[int], max_tokens: int) -> Completion:
-            request = {"seed": attempt_seed, **sampling, "max_tokens": max_tokens}
+            # A seed per turn: one seed for every turn would draw the same random numbers each
+            # turn, so the answers of a trajectory's turns would move together.
+            nonlocal turns
+            request = {"seed": derive_seed(seed, label, attempt, turns), **sampling, "max_tokens": max_tokens}
+            turns += 1
             completions = await rollouts.generate(prompt_ids, n=1, min_version=min_version, session=session,
                                                   **request)
             return completions[0]
