@@ -47,13 +47,14 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str, id_prefix: str = "call") -> tuple[str, list[ToolCall]]:
-    """(content before the first call, the calls in order) of `text`."""
+    """(content before the first call, the calls in order) of `text`. Call ids are
+    `id_prefix` + a three-digit index: unique within the answer."""
     if OPEN not in text:
         return text, []
     calls: list[ToolCall] = []
     for i, match in enumerate(_BLOCK.finditer(text)):
         body = match.group(1).strip()
-        call_id = f"{id_prefix}-{i}"
+        call_id = f"{id_prefix}{i:03d}"
         try:
             value = json.loads(body)
         except ValueError as exc:

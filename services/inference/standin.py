@@ -74,6 +74,7 @@ class StandInState:
     max_model_len: int = 4096
     # X-Session-ID header -> completion requests that carried it (session affinity tests).
     sessions: dict[str, int] = field(default_factory=dict)
+    tokenize_requests: int = 0
     model_id: str = "standin"
 
     def __post_init__(self) -> None:
@@ -248,6 +249,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         s, body = st(request), await _json_object(request)
         if isinstance(body, JSONResponse):
             return body
+        s.tokenize_requests += 1
         if body.get("messages") is not None:
             try:
                 text = render_chat_text(body["messages"], body.get("tools"), bool(body.get("add_generation_prompt", True)),
@@ -349,7 +351,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
     async def stats(request: Request) -> dict[str, Any]:
         s = st(request)
         return {"requests": s.requests, "reloads": s.reloads, "version": s.version, "paused": s.paused,
-                "sessions": s.sessions,
+                "sessions": s.sessions, "tokenize_requests": s.tokenize_requests,
                 "weights": s.weights}
 
     return app

@@ -120,3 +120,23 @@ async def test_tool_calls_of_one_turn_run_concurrently_and_answer_in_order(stand
     group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=3, n=1)
     assert time.monotonic() - started < 0.9  # two 0.5 s calls in two worker threads, not one after the other
     assert [m["content"] for m in tool_messages(group.completions[0].conversation)] == ["late", "late", "42"]
+
+
+async def test_repeated_environment_turns_are_rendered_once(standin, make_rollouts):
+    env = ToolBox()
+    call = format_tool_call("calculator", {"expression": "6*7"})
+    script(standin, [call, "done"])
+    rollouts = make_rollouts(env, [standin.url], max_tokens=256)
+
+    def tokenized() -> int:
+        return httpx.get(standin.url + "/_standin/stats").json()["tokenize_requests"]
+
+    group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=3, n=4)
+    # The template's fixed parts (3 requests), the opening prompt (1) and the tool's answer (1),
+    # which all four trajectories got: each rendered once, not once per trajectory.
+    assert tokenized() == 5 and group.invalid is None
+    await rollouts.group(env.examples("train")[0], "g1", min_version=0, seed=4, n=4)
+    assert tokenized() == 5
+    deltas = {tuple(c.token_ids[len(c.conversation.turns[0].token_ids):-len(c.conversation.turns[1].token_ids)])
+              for c in group.completions}
+    assert len(deltas) == 1 and len(rollouts.renderer.turns) == 1

@@ -46,7 +46,7 @@ class Limits:
 
 async def run_conversation(env: MultiTurnEnvironment, example: Example, *, generate: TurnGenerate,
                            renderer: ChatRenderer, workers: Workers, counts: EnvCounts,
-                           limits: Limits, trajectory: str) -> Completion:
+                           limits: Limits) -> Completion:
     tools = {tool.name: tool for tool in env.tools}
     schemas = [tool.schema() for tool in env.tools] or None
     convo = Conversation(example=example, messages=list(env.initial_messages(example)))
@@ -67,7 +67,10 @@ async def run_conversation(env: MultiTurnEnvironment, example: Example, *, gener
         logprobs += c.logprobs
         mask += c.loss_mask if c.loss_mask is not None else [1] * len(c.token_ids)
         versions.update(c.versions)
-        content, calls = parse_tool_calls(c.text, f"{trajectory}-t{turn_index}") if tools else (c.text, [])
+        # Ids unique within the conversation (what templates need), the same in every
+        # trajectory, so identical tool answers render identically and are rendered once.
+        # Nine alphanumerics: what Mistral's templates accept.
+        content, calls = parse_tool_calls(c.text, f"call{turn_index:02d}") if tools else (c.text, [])
         convo.turns.append(Turn(c.text, c.token_ids, c.finish_reason, calls))
         message = {"role": "assistant", "content": content if calls else c.text}
         if calls:

@@ -19,11 +19,14 @@ Rendering happens on the inference server (`POST /tokenize` with `messages`, whi
 the CPU server both serve), so the template and tokenizer are exactly those of the server
 that generates, and the sampler needs neither the model's files nor transformers. The fixed
 parts are asked for once per tool set; each environment turn then costs one request, and
-an opening prompt one per distinct conversation start (cached).
+an opening prompt one per distinct conversation start. Both are cached (rendering is a
+pure function of the messages), so an environment that says the same thing again costs no
+request.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,7 +37,7 @@ import orjson
 # treats it specially; "." tokenizes alone in every tokenizer we know.
 _USER = {"role": "user", "content": "."}
 _ASSISTANT = {"role": "assistant", "content": "."}
-PROMPTS_CACHED = 4096
+CACHED = 4096  # opening prompts, and environment turns, each (a few MB at most)
 
 Tokenize = Callable[[dict[str, Any]], Awaitable[list[int]]]
 
@@ -43,12 +46,44 @@ class TemplateError(ValueError):
     """The chat template does not render conversations as prefixes of their continuations."""
 
 
+class _Memo:
+    """An LRU of results by key, where callers asking for a key being computed share that one
+    computation (the trajectories of a group ask for the same renders at the same moment). A
+    failed computation is forgotten, so the next caller tries again."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict[bytes, asyncio.Future[Any]] = OrderedDict()
+
+    async def get(self, key: bytes, compute: Callable[[], Awaitable[Any]]) -> Any:
+        future = self._items.get(key)
+        if future is None:
+            future = self._items[key] = asyncio.ensure_future(compute())
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+        else:
+            self._items.move_to_end(key)
+        try:
+            # shield: one caller cancelled (its trajectory ended) must not cancel the others'.
+            return await asyncio.shield(future)
+        except Exception:
+            if self._items.get(key) is future:
+                del self._items[key]
+            raise
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class ChatRenderer:
     def __init__(self, tokenize: Tokenize):
         # tokenize(body) -> ids: POST /tokenize with `body` (plus the model name) on a server.
         self._tokenize = tokenize
-        self._fixed: dict[bytes, tuple[list[int], list[int]]] = {}  # tools key -> (base, closing)
-        self._prompts: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._fixed = _Memo(64)  # tools -> (base, closing)
+        self._prompts = _Memo(CACHED)  # (messages, tools) -> opening prompt
+        # Rendered environment turns by (messages, tools): environments repeat themselves
+        # ("higher", "lower", a number, a fixed instruction), and a hit saves a request.
+        self.turns = _Memo(CACHED)
 
     async def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     generation_prompt: bool) -> list[int]:
@@ -60,8 +95,8 @@ class ChatRenderer:
 
     async def _fixed_parts(self, tools: list[dict[str, Any]] | None) -> tuple[bytes, list[int], list[int]]:
         key = orjson.dumps(tools or [])
-        parts = self._fixed.get(key)
-        if parts is None:
+
+        async def compute() -> tuple[list[int], list[int]]:
             header = await self._chat([_USER], tools, True)
             base = await self._chat([_USER, _ASSISTANT], tools, False)
             content = await self._tokenize({"prompt": _ASSISTANT["content"], "add_special_tokens": False})
@@ -71,34 +106,34 @@ class ChatRenderer:
                     "the chat template does not render an assistant message after its generation prompt "
                     f"(rendered {base!r} after {header!r}); multi-turn rollouts need a template whose "
                     "conversations are prefixes of their continuations")
-            parts = self._fixed[key] = (base, base[start + len(content):])
-        return key, *parts
+            return base, base[start + len(content):]
+
+        base, closing = await self._fixed.get(key, compute)
+        return key, base, closing
 
     async def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """The opening prompt: `messages` and the assistant's generation prompt."""
         key = orjson.dumps([messages, tools or []])
-        ids = self._prompts.get(key)
-        if ids is None:
-            ids = await self._chat(messages, tools, True)
-            self._prompts[key] = ids
-            if len(self._prompts) > PROMPTS_CACHED:
-                self._prompts.popitem(last=False)
-        else:
-            self._prompts.move_to_end(key)
-        return ids
+        ids = await self._prompts.get(key, lambda: self._chat(messages, tools, True))
+        return list(ids)  # each sample owns its prompt list
 
     async def after_turn(self, sampled: list[int], messages: list[dict[str, Any]],
                          tools: list[dict[str, Any]] | None) -> list[int]:
         """The ids that follow a model turn that sampled `sampled`: the rest of the
         assistant turn's closing, `messages`, and the next generation prompt."""
-        _, base, closing = await self._fixed_parts(tools)
-        full = await self._chat([_USER, _ASSISTANT, *messages], tools, True)
-        if full[:len(base)] != base:
-            raise TemplateError(
-                "the chat template renders a conversation differently once messages follow it "
-                f"({full[:len(base)]!r} against {base!r}); multi-turn rollouts need a template whose "
-                "conversations are prefixes of their continuations")
-        return closing[closing_overlap(sampled, closing):] + full[len(base):]
+        tools_key, base, closing = await self._fixed_parts(tools)
+
+        async def compute() -> list[int]:
+            full = await self._chat([_USER, _ASSISTANT, *messages], tools, True)
+            if full[:len(base)] != base:
+                raise TemplateError(
+                    "the chat template renders a conversation differently once messages follow it "
+                    f"({full[:len(base)]!r} against {base!r}); multi-turn rollouts need a template whose "
+                    "conversations are prefixes of their continuations")
+            return full[len(base):]
+
+        delta = await self.turns.get(orjson.dumps(messages) + tools_key, compute)
+        return closing[closing_overlap(sampled, closing):] + delta
 
 
 def closing_overlap(sampled: list[int], closing: list[int]) -> int:

@@ -81,7 +81,7 @@ async def trajectory(rollouts: Rollouts, example: Example, label: str, *, min_ve
         try:
             completion = await run_conversation(
                 env, example, generate=generate, renderer=rollouts.renderer, workers=rollouts.workers,
-                counts=rollouts.env_stats.of(env.name), limits=limits, trajectory=session)
+                counts=rollouts.env_stats.of(env.name), limits=limits)
             return completion, (await score(rollouts, example, completion) if scored else None)
         except (InferenceError, asyncio.CancelledError):
             raise
