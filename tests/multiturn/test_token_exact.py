@@ -15,12 +15,21 @@ from tests.multiturn.conftest import server_root
 pytestmark = pytest.mark.timeout(120)
 
 
-def oracle_messages(convo: Conversation) -> list[dict]:
+def oracle_messages(convo: Conversation, text_of=lambda turn: turn.text) -> list[dict]:
     """The conversation with each assistant message as the raw text the model sampled."""
     out, turn = [], iter(convo.turns)
     for message in convo.messages:
-        out.append({"role": "assistant", "content": next(turn).text} if message["role"] == "assistant" else message)
+        out.append({"role": "assistant", "content": text_of(next(turn))} if message["role"] == "assistant" else message)
     return out
+
+
+def sampled_text(tok):
+    """A turn's sampled ids as text with special tokens kept (an untrained model samples
+    `<|unk|>` or `<|im_start|>` now and then; `text` leaves them out), less a final
+    `<|im_end|>`, which the template writes itself."""
+    def text_of(turn) -> str:
+        return tok.decode(turn.token_ids, skip_special_tokens=False).removesuffix("<|im_end|>")
+    return text_of
 
 
 async def test_trajectory_ids_are_the_sampled_ids_plus_the_rendered_environment(cpu_server, make_rollouts):
@@ -39,7 +48,8 @@ async def test_trajectory_ids_are_the_sampled_ids_plus_the_rendered_environment(
         assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.loss_mask) if not m)
         # Independent oracle: the template rendering the whole conversation (assistant turns as
         # the text sampled) gives our ids, then the final assistant turn's closing.
-        rendered = tok.apply_chat_template(oracle_messages(convo), tokenize=False, add_generation_prompt=False)
+        rendered = tok.apply_chat_template(oracle_messages(convo, sampled_text(tok)), tokenize=False,
+                                           add_generation_prompt=False)
         oracle = tok.encode(rendered, add_special_tokens=False)
         ours = c.prompt_token_ids + c.token_ids
         assert oracle[:len(ours)] == ours, (tok.decode(oracle), tok.decode(ours))
