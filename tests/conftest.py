@@ -31,6 +31,14 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc.terminate()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model from init-model (preset tiny, seed 0), built once per test process."""
+    from services.inference.init_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+
+
 @pytest.fixture
 def namespace() -> str:
     """A fresh run namespace, so tests sharing the session's Redis never see each other's keys."""

@@ -8,13 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.init_model import init_model
 from services.inference.testing import ServerHandle, start_server
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
 
 
 @pytest.fixture(scope="session")

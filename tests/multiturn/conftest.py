@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from services.inference.init_model import init_model
 from services.inference.testing import ServerHandle, start_server
 from services.sampler.envs.base import Environment
 from services.sampler.inference_pool import OK, InferencePool
@@ -18,11 +17,6 @@ from services.sampler.multiturn.stats import EnvStats
 from services.sampler.multiturn.workers import Workers
 from services.sampler.rollout import Rollouts
 from shared.http_client import HttpClient
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,8 +17,3 @@ def cleanup() -> Iterator[Cleanup]:
     registry.run()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.inference.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,13 +16,6 @@ from services.sampler import weights_check
 from services.sampler.weights_check import NonFinite, Unreadable, scan_checkpoint
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.inference.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
 
 
 def _poisoned(dtype: torch.dtype, n: int = 1000) -> dict[str, torch.Tensor]:

@@ -15,10 +15,8 @@ from shared.wire import Sample
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.inference.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+def tiny_model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def make_samples(n: int, seed: int = 0, vocab: int = 90, *, max_prompt: int = 7, max_completion: int = 6,
