@@ -281,6 +281,11 @@ class InferencePool:
             self.sessions[session] = best.url
         return best
 
+    async def usable(self, min_version: int = 0) -> Server:
+        """A server that could take a request now, waiting for one as a request would (at
+        most `request_timeout`; `InferenceUnavailable` then)."""
+        return await self._wait_for_server(min_version, time.monotonic() + self.request_timeout)
+
     def release(self, session: str) -> None:
         """The trajectory `session` ended: forget its server."""
         self.sessions.pop(session, None)

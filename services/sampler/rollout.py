@@ -324,8 +324,11 @@ class Rollouts:
         return list(answer["tokens"])
 
     async def _get_models(self) -> tuple[dict[str, Any], str]:
+        # A server in rotation first, waiting for one as a request would: at start-up the
+        # servers may not be up yet, and the first eval must not fail for that.
+        first = await self.pool.usable()
         last_error = None
-        for server in self.pool.servers:
+        for server in [first] + [s for s in self.pool.servers if s is not first]:
             try:
                 response = await self.pool.get(server.url, "/v1/models")
                 if response.status_code == 200:

@@ -74,3 +74,24 @@ async def test_an_environment_that_always_fails_stops_the_build_with_its_error_n
         assert error and "failed in their environment" in error and "env broke on echo/train/" in error, error
         assert (await http.get("/batch", params={"step": 0, "timeout": 0})).status_code == 204
         assert (await http.get("/health")).status_code == 200  # the sampler itself is fine
+
+
+async def test_an_eval_asked_for_before_the_inference_server_is_up_waits_for_it(make_sampler):
+    from services.inference.standin import create_standin_app
+    from tests.support.servers import UvicornThread, free_port
+
+    port = free_port()
+    sampler = make_sampler(env="tests.support.envs:EchoDialogue", env_args='{"max_turns": 2}', max_tokens=4,
+                           inference_urls=[f"http://127.0.0.1:{port}"])
+    late = None
+    try:
+        async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+            eval_id = (await http.post("/eval", json={"num_examples": 2})).json()["eval_id"]
+            await asyncio.sleep(1.0)  # the eval starts while nothing answers on the port
+            late = UvicornThread(create_standin_app(), port=port).start()
+            result = (await http.get(f"/eval/{eval_id}", params={"timeout": 30})).json()
+        assert result["status"] == "done", result
+        assert result["result"]["reward_mean"] == 2.0
+    finally:
+        if late is not None:
+            late.stop()
