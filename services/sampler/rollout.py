@@ -1,4 +1,5 @@
-"""From prompts to scored groups: dataset order, requests, parsing, rewards, advantages.
+"""From prompts to scored groups: dataset order, requests, rewards, advantages (answers are
+parsed in completions.py; multi-turn trajectories run in multiturn/).
 
 Dataset order is a pure function of (seed, global prompt index): index i lives in epoch
 i // len(dataset), and each epoch is a fresh seeded permutation. Batch N's prompts are
@@ -7,7 +8,7 @@ exactly the prompts an uninterrupted one would have, with no cursor to persist.
 
 Non-finite numbers never travel. A token whose behaviour logprob the server sent as null,
 NaN or infinite is masked out of the loss (`loss_mask` 0, stored logprob 0.0) in
-`parse_completions`, the one place logprobs enter the sampler. A group with a non-finite
+`completions.parse_completions`, the one place logprobs enter the sampler. A group with a non-finite
 reward (its total or any reward function's value) gets `Group.invalid` set and can never
 become samples: the fresh-group source drops it and refills the slot (sources.py). Both
 are counted in `NonFiniteCounts` (/metrics, /status) and logged.
@@ -26,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from services.sampler.advantages import NonFiniteAdvantages, group_advantages
+from services.sampler.completions import parse_completions
 from services.sampler.envs.base import Completion, Environment, Example, gather_now
 from services.sampler.envs.multiturn import MultiTurnEnvironment
-from services.sampler.inference_pool import InferenceError, InferencePool, InferenceRequestError, WentBackwards
+from services.sampler.inference_pool import InferenceError, InferencePool, InferenceRequestError
 from services.sampler.multiturn.render import ChatRenderer
 from services.sampler.multiturn.stats import EnvStats
 from services.sampler.multiturn.trajectories import GroupFailed, group_trajectories, note_fault, score, trajectory
@@ -40,7 +42,6 @@ log = logging.getLogger("tandem.sampler.rollout")
 
 # How `Group.invalid` starts for a group whose environment failed every retry (sources.py).
 ENV_FAILED = "the environment failed"
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # A server that keeps sending bad logprobs is warned about at most this often.
 _LOGPROB_WARN_SECONDS = 60.0
 # At most this many offending completions (or examples) are spelled out in one warning.
@@ -153,109 +154,6 @@ class Group:
             )
             for i, c in enumerate(self.completions)
         ]
-
-
-def _label_version(label: Any) -> int | None:
-    """A `weight_versions` span label as an int, or None when it is not an integer label."""
-    if type(label) is int:
-        return label
-    if type(label) is str:
-        version = _LABELS.get(label)
-        if version is None and label not in _LABELS:
-            version = _LABELS[label] = int(label) if label.lstrip("-").isdigit() else None
-            if len(_LABELS) > 4096:  # labels are weight versions: few, but never grow without bound
-                _LABELS.clear()
-        return version
-    return int(label) if str(label).lstrip("-").isdigit() else None
-
-
-_LABELS: dict[str, int | None] = {}
-
-
-def _versions(spans: list[dict[str, Any]]) -> list[int] | None:
-    """The distinct versions of `weight_versions` spans, ascending; None when a span's label
-    is not an integer version (vLLM's "default": a server nobody has labelled since it started)."""
-    if len(spans) == 1:
-        version = _label_version(spans[0].get("version", ""))
-        return None if version is None else [version]
-    versions = {_label_version(span.get("version", "")) for span in spans}
-    return None if None in versions else sorted(versions)  # type: ignore[type-var]
-
-
-def _masked_logprobs(logprobs: list[Any]) -> tuple[list[float], list[int] | None]:
-    """Logprobs with each null or non-finite one replaced by 0.0, and the loss mask that
-    leaves those tokens out (None when every one is finite)."""
-    floats, mask = [], []
-    for x in logprobs:
-        value = None if x is None else float(x)
-        if value is not None and math.isfinite(value):
-            floats.append(value)
-            mask.append(1)
-        else:
-            floats.append(0.0)
-            mask.append(0)
-    return floats, (mask if 0 in mask else None)
-
-
-def parse_completions(body: dict[str, Any], served_version: int | None) -> list[Completion]:
-    """vLLM /v1/completions JSON -> Completions (needs return_token_ids and logprobs).
-
-    A token whose logprob is null, NaN or infinite gets `loss_mask` 0 and logprob 0.0: the
-    trainer never learns from a behaviour probability nobody reported (vLLM writes -inf as
-    the finite -9999.0, which passes). `loss_mask` stays None when every logprob is finite.
-
-    `served_version` is the version the server served when the request was sent: the oldest
-    that can have produced a token. Where the answer has `weight_versions` spans (vLLM >= 0.33
-    with return_weight_versions) those say which versions produced the tokens; where it has
-    none (vLLM 0.32), every token is stamped with `served_version`, never with a version the
-    server reached later (a request paused with `keep` across a weight update finishes on
-    newer weights, but its first tokens came from the older ones). Spans older than
-    `served_version`, or unlabelled, mean the server lost its weights: `WentBackwards`."""
-    out = []
-    for choice in sorted(body.get("choices", []), key=lambda c: c.get("index", 0)):
-        token_ids = choice.get("token_ids")
-        prompt_ids = choice.get("prompt_token_ids") or body.get("prompt_token_ids")
-        if token_ids is None or prompt_ids is None:
-            raise InferenceRequestError(
-                "inference answer lacks token ids: the server must support return_token_ids (vLLM >= 0.10)"
-            )
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if logprobs is None or len(logprobs) != len(token_ids):
-            raise InferenceRequestError(
-                f"inference answer has {0 if logprobs is None else len(logprobs)} logprobs "
-                f"for {len(token_ids)} tokens: the server must honour logprobs=0"
-            )
-        spans = choice.get("weight_versions")
-        if spans:
-            versions = _versions(spans)
-            if served_version is not None and (versions is None or versions[0] < served_version):
-                labels = sorted({str(span.get("version")) for span in spans})
-                raise WentBackwards(
-                    f"answered with weights labelled {', '.join(labels)} although it served version "
-                    f"{served_version} when the request was sent: it restarted or lost its weights"
-                )
-            versions = versions or []
-        else:
-            versions = [served_version] if served_version is not None else []
-        mask = None
-        try:
-            floats = list(map(float, logprobs))
-        except TypeError:  # a null logprob among them
-            floats, mask = _masked_logprobs(logprobs)
-        else:
-            # One sum finds a NaN or inf among them (or an overflow, which the exact pass clears).
-            if not math.isfinite(sum(floats)):
-                floats, mask = _masked_logprobs(floats)
-        out.append(Completion(
-            text=choice.get("text", ""),
-            prompt_token_ids=list(prompt_ids),
-            token_ids=list(token_ids),
-            logprobs=floats,
-            finish_reason=_FINISH.get(choice.get("finish_reason") or "stop", "stop"),
-            versions=versions,
-            loss_mask=mask,
-        ))
-    return out
 
 
 class Rollouts:

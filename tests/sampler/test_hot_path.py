@@ -17,7 +17,7 @@ from services.sampler import rollout_log
 from services.sampler.envs.base import Completion, Environment, Example, Reward, gather_now, run_now
 from services.sampler.observability.metrics import SamplerMetrics, _StateCollector
 from services.sampler.observability.recent import RecentRollouts
-from services.sampler.rollout import parse_completions
+from services.sampler.completions import parse_completions
 from services.sampler.rollout_log import RolloutLog, to_table
 
 # ---------------------------------------------------------------- gather_now / run_now

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.sampler.envs.base import Example
 from services.sampler.inference_pool import OK, InferencePool
-from services.sampler.rollout import Rollouts, nonfinite_rewards, parse_completions
+from services.sampler.completions import parse_completions
+from services.sampler.rollout import Rollouts, nonfinite_rewards
 from shared.http_client import HttpClient
 from tests.sampler.nonfinite_envs import NanEnv
 from tests.support.driver import drive

@@ -14,7 +14,8 @@ from services.sampler.inference_pool import (
     InferenceUnavailable,
     WentBackwards,
 )
-from services.sampler.rollout import DatasetOrder, parse_completions
+from services.sampler.completions import parse_completions
+from services.sampler.rollout import DatasetOrder
 from shared.http_client import HttpClient
 from tests.support.servers import start_standin
 
