@@ -44,6 +44,8 @@ async def test_a_tool_call_runs_and_its_answer_is_rendered_masked_and_exact(stan
                                          "name": "calculator"}]
         assert convo.turns[0].tool_calls[0].arguments == {"expression": expression}
         assert reward == 1.0 and parts == {"correct": 1.0, "used_tool": 1.0}
+        # For people (rollout log, dashboard): the turns and the tool's answer as a transcript.
+        assert c.text == f"Let me compute.\n{call}\n[tool] {answer}\nIt is {answer}."
         # The tool's answer is in the second turn's prompt, rendered by the template, and masked.
         text = bytes(c.prompt_token_ids + c.token_ids).decode()
         rendered_tool = f"<|im_start|>tool\n{answer}<|im_end|>\n"

@@ -50,6 +50,7 @@ async def run_conversation(env: MultiTurnEnvironment, example: Example, *, gener
     tools = {tool.name: tool for tool in env.tools}
     schemas = [tool.schema() for tool in env.tools] or None
     convo = Conversation(example=example, messages=list(env.initial_messages(example)))
+    opening = len(convo.messages)
     prompt = await renderer.prompt(convo.messages, schemas)
     ids: list[int] = []
     logprobs: list[float] = []
@@ -103,7 +104,7 @@ async def run_conversation(env: MultiTurnEnvironment, example: Example, *, gener
         mask += [0] * len(delta)
     counts.trajectories += 1
     return Completion(
-        text="".join(turn.text for turn in convo.turns),
+        text=transcript(convo, opening),
         prompt_token_ids=prompt,
         token_ids=ids,
         logprobs=logprobs,
@@ -112,6 +113,19 @@ async def run_conversation(env: MultiTurnEnvironment, example: Example, *, gener
         loss_mask=mask,
         conversation=convo,
     )
+
+
+def transcript(convo: Conversation, opening: int) -> str:
+    """The conversation after its `opening` messages, for people (the rollout log, the
+    dashboard): each model turn as sampled, each environment message as `[role] content`."""
+    turns = iter(convo.turns)
+    parts = []
+    for message in convo.messages[opening:]:
+        if message["role"] == "assistant":
+            parts.append(next(turns).text)
+        else:
+            parts.append(f"\n[{message['role']}] {message.get('content') or ''}\n")
+    return "".join(parts)
 
 
 async def env_step(env: MultiTurnEnvironment, convo: Conversation, workers: Workers,
