@@ -201,6 +201,8 @@ class Rollouts:
 
     async def model(self) -> str:
         """The served model id: the setting, else the first server's /v1/models."""
+        if self.model_name is not None:  # every request asks: no lock once it is known
+            return self.model_name
         async with self._model_lock:
             if self.model_name is None:
                 body, _ = await self._get_models()
