@@ -82,3 +82,20 @@ async def test_a_weight_update_mid_conversation_shows_in_the_versions(standin, m
     (c,) = group.completions
     assert c.versions == [0, 1] and group.policy_versions == [0]
     assert group.samples(env.name)[0]["versions"] == [0, 1]
+
+
+async def test_a_server_dying_mid_conversation_hands_its_trajectories_over(two_standins, make_rollouts):
+    env = EchoDialogue(max_turns=4)
+    first, second = two_standins
+    rollouts = make_rollouts(env, [first.url, second.url], max_tokens=40)
+    httpx.post(first.url + "/_standin/configure", json={"reply": "x" * 40}).raise_for_status()
+    task = asyncio.create_task(rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=6))
+    dying = rollouts.pool.find(first.url)
+    while not any(url == dying.url for url in rollouts.pool.sessions.values()):
+        await asyncio.sleep(0.01)
+    before = sessions(first)
+    await asyncio.to_thread(first.stop)  # its requests in flight are cut; new ones are refused
+    group = await task
+    assert group.invalid is None and all(len(c.conversation.turns) == 4 for c in group.completions)
+    moved = set(before) & set(sessions(second))
+    assert moved  # trajectories that began on the dead server finished on the other

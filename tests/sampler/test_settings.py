@@ -25,6 +25,10 @@ def run_sampler(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
     (["--env", "no_such_env"], "unknown environment 'no_such_env'"),
     (["--strategy", "nope"], "unknown strategy 'nope'"),
     (["--temperature", "warm"], "--temperature"),
+    (["--env", "parity_dialogue", "--env-args", '{"turns": 0}'], "parity_dialogue: turns must be between 1 and 64"),
+    (["--env", "parity_dialogue", "--env-args", '{"trns": 3}'], "unexpected keyword argument 'trns'"),
+    (["--env-timeout", "0"], "--env-timeout"),
+    (["--env-workers", "0"], "--env-workers"),
 ])
 def test_bad_settings_exit_2_with_a_clear_message(args, expected):
     result = run_sampler(*args)
