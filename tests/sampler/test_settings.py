@@ -26,7 +26,7 @@ def run_sampler(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
     (["--strategy", "nope"], "unknown strategy 'nope'"),
     (["--temperature", "warm"], "--temperature"),
     (["--env", "parity_dialogue", "--env-args", '{"turns": 0}'], "parity_dialogue: turns must be between 1 and 64"),
-    (["--env", "parity_dialogue", "--env-args", '{"trns": 3}'], "unexpected keyword argument 'trns'"),
+    (["--env", "parity_dialogue", "--env-args", '{"trns": 3}'], "'trns'; its arguments (--env-args) are turns, num_train"),
     (["--env-timeout", "0"], "--env-timeout"),
     (["--env-workers", "0"], "--env-workers"),
 ])

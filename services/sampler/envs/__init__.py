@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from services.sampler.plugins import load_by_path
@@ -19,11 +20,22 @@ BUILTINS = {
 def load_environment(name: str, **kwargs: Any) -> Environment:
     """`name` is a built-in (see BUILTINS) or 'package.module:factory'."""
     factory = load_by_path(BUILTINS.get(name, name), "environment", list(BUILTINS))
-    env = factory(**kwargs)
+    try:
+        env = factory(**kwargs)
+    except TypeError as exc:  # most often a misspelt --env-args key: say which keys there are
+        raise ValueError(f"environment {name!r}: {exc}; its arguments (--env-args) are {_arguments(factory)}") from None
     if not isinstance(env, Environment):
         raise ValueError(f"environment {name!r} is a {type(env).__name__}, not an Environment")
     check_environment(env)
     return env
+
+
+def _arguments(factory: Any) -> str:
+    try:
+        names = [p for p in inspect.signature(factory).parameters if p not in ("self", "args", "kwargs")]
+    except (TypeError, ValueError):
+        return "unknown"
+    return ", ".join(names) or "none"
 
 
 def check_environment(env: Environment) -> None:
