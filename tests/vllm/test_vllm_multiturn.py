@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 # environment id dropped, one duplicated, or the last number's digit changed move by a median
 # of ~3e-3 but by as little as 2e-6 (10% of them under 1.5e-4). (The trajectories, ~70 ids,
 # stay inside one 128-token KV block, so no turn reuses another's blocks from the prefix
-# cache: that path is not exercised here.)
+# cache: the long-trajectory test below takes that path.)
 TOLERANCE = 1e-5
 TURNS, TOKENS_PER_TURN, GROUPS = 3, 2, 3
 
@@ -63,9 +63,31 @@ def _label(url: str) -> str:
 
 
 async def test_three_turn_trajectories_are_token_exact_on_vllm(vllm_server: VllmHandle, make_rollouts) -> None:  # noqa: F811
+    await _check_token_exact(vllm_server, make_rollouts, turns=TURNS, tokens_per_turn=TOKENS_PER_TURN, groups=GROUPS)
+
+
+async def test_long_trajectories_stay_token_exact_through_vllms_prefix_cache(vllm_server: VllmHandle,
+                                                                              make_rollouts) -> None:  # noqa: F811
+    """Conversations longer than a KV block (128 ids here): later turns' prefills reuse the
+    earlier turns' cached blocks, and the behaviour logprobs still equal a fresh prefill's."""
+    hits = _prefix_cache_hits(vllm_server.url)
+    await _check_token_exact(vllm_server, make_rollouts, turns=6, tokens_per_turn=24, groups=2)
+    hit = _prefix_cache_hits(vllm_server.url) - hits
+    print(f"prefix-cache hits: {hit:g} tokens")
+    assert hit > 0, "no prefix-cache hit: the path this test is for was not taken"
+
+
+def _prefix_cache_hits(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+async def _check_token_exact(vllm_server: VllmHandle, make_rollouts, *, turns: int, tokens_per_turn: int,  # noqa: F811
+                             groups: int) -> None:
     url, model = vllm_server.url, vllm_server.served_model_name
     label = _label(url)
-    env = load_environment("parity_dialogue", turns=TURNS, max_tokens=TOKENS_PER_TURN)
+    env = load_environment("parity_dialogue", turns=turns, max_tokens=tokens_per_turn)
     rollouts = make_rollouts(env, [url], temperature=1.0)
 
     # A spy on the pool's real HTTP client: which requests carried which X-Session-ID. vLLM
@@ -78,20 +100,20 @@ async def test_three_turn_trajectories_are_token_exact_on_vllm(vllm_server: Vllm
         return await request(method, target, **kw)
 
     rollouts.pool.http.request = recording
-    examples = env.examples("train")[:GROUPS]
-    groups = await asyncio.gather(*(rollouts.group(ex, f"g{i}", min_version=0, seed=11 + i)
-                                    for i, ex in enumerate(examples)))
+    examples = env.examples("train")[:groups]
+    batch = await asyncio.gather(*(rollouts.group(ex, f"g{i}", min_version=0, seed=11 + i)
+                                   for i, ex in enumerate(examples)))
     # Scored below under the weights that sampled: nothing relabelled (synced) the server meanwhile.
     assert _label(url) == label
 
     closing = _post(url, "/tokenize", {"model": model, "prompt": "<|im_end|>\n", "add_special_tokens": False})["tokens"]
     diffs: list[float] = []
-    for example, group in zip(examples, groups):
+    for example, group in zip(examples, batch):
         assert group.invalid is None and len(group.completions) == 4, group.invalid
         for c in group.completions:
             convo = c.conversation
-            assert len(convo.turns) == TURNS and convo.ended_by == "max_turns" and c.finish_reason == "stop"
-            assert all(1 <= len(turn.token_ids) <= TOKENS_PER_TURN for turn in convo.turns)
+            assert len(convo.turns) == turns and convo.ended_by == "max_turns" and c.finish_reason == "stop"
+            assert all(1 <= len(turn.token_ids) <= tokens_per_turn for turn in convo.turns)
             # Exactly the ids vLLM sampled are trained on, in order; environment ids carry 0.0.
             sampled = [t for turn in convo.turns for t in turn.token_ids]
             assert [t for t, m in zip(c.token_ids, c.loss_mask) if m] == sampled
@@ -124,15 +146,15 @@ async def test_three_turn_trajectories_are_token_exact_on_vllm(vllm_server: Vllm
                     diffs.append(abs(lp - expected))
                     assert abs(lp - expected) <= TOLERANCE, (c.token_ids, i, lp, expected)
 
-    trajectories = sum(len(g.completions) for g in groups)
-    assert len(diffs) == sum(len(t.token_ids) for g in groups for c in g.completions for t in c.conversation.turns)
+    trajectories = sum(len(g.completions) for g in batch)
+    assert len(diffs) == sum(len(t.token_ids) for g in batch for c in g.completions for t in c.conversation.turns)
     print(f"\n{trajectories} trajectories, {len(diffs)} sampled tokens: max |behaviour - prompt logprob| "
           f"{max(diffs):.3g}, mean {sum(diffs) / len(diffs):.3g}")
 
     # Every turn of every trajectory went out with its trajectory's id, one id per trajectory.
-    turns = [session for path, session in sent if path == "/v1/completions"]
-    assert len(turns) == trajectories * TURNS and None not in turns
-    assert sorted({turns.count(s) for s in turns}) == [TURNS] and len(set(turns)) == trajectories
+    requests = [session for path, session in sent if path == "/v1/completions"]
+    assert len(requests) == trajectories * turns and None not in requests
+    assert sorted({requests.count(s) for s in requests}) == [turns] and len(set(requests)) == trajectories
 
 
 def test_x_session_id_does_not_change_what_vllm_samples(vllm_server: VllmHandle) -> None:
