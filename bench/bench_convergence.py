@@ -41,7 +41,7 @@ def run_seed(seed: int, run_dir: Path, **flags: Any) -> dict[str, Any]:
     after = summary["eval_reward_after"]
     return {
         "seed": seed, "wall_seconds": round(wall, 1), "steps": summary["steps"],
-        "eval_reward_after": after,
+        "eval_reward_before": summary.get("eval_reward_before"), "eval_reward_after": after,
         "first_eval_version_at_target": summary["evals"][solved_at]["version"] if solved_at is not None else None,
         "lowest_eval_after_reaching_target": min(rewards[solved_at:]) if solved_at is not None else None,
         "reward_mean_last": summary["reward_mean_last"],
@@ -50,7 +50,9 @@ def run_seed(seed: int, run_dir: Path, **flags: Any) -> dict[str, Any]:
     }
 
 
-def run(results_dir: Path, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), **flags: Any) -> dict[str, Any]:
+def run(results_dir: Path, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), name: str = "convergence",
+        **flags: Any) -> dict[str, Any]:
+    """Every seed with the demo's defaults plus `flags`; results as bench/results/<name>.*."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-convergence-") as tmp:
         for seed in seeds:
@@ -58,16 +60,18 @@ def run(results_dir: Path, seeds: tuple[int, ...] = (0, 1, 2, 3, 4), **flags: An
             print(json.dumps(rows[-1]), flush=True)
     result = {"target": {"eval_reward_after": TARGET_REWARD, "wall_seconds": TARGET_SECONDS},
               "flags": flags, "rows": rows, "all_ok": all(r["ok"] for r in rows), "host": host()}
-    lines = ["# Demo convergence over seeds", "",
-             "`.venv/bin/python -m bench convergence`: `tandem demo --seed S` with the defaults, one seed after "
+    extra = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items())
+    lines = [f"# Demo convergence over seeds{extra}", "",
+             f"`.venv/bin/python -m bench {name}`: `tandem demo --seed S{extra}` with the defaults, one seed after "
              f"another on this machine ({result['host']['cpus']} CPUs). Target: greedy eval after >= "
              f"{TARGET_REWARD} within {TARGET_SECONDS:.0f} s, every seed.", "",
-             "| seed | ok | wall s | eval after | first version at >= 0.95 | lowest eval after that | "
+             "| seed | ok | wall s | eval before | eval after | first version at >= 0.95 | lowest eval after that | "
              "sampled reward last step | steps without signal |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['seed']} | {'yes' if r['ok'] else 'NO'} | {r['wall_seconds']} | {r.get('eval_reward_after')} | "
+        lines.append(f"| {r['seed']} | {'yes' if r['ok'] else 'NO'} | {r['wall_seconds']} | {r.get('eval_reward_before')} | "
+                     f"{r.get('eval_reward_after')} | "
                      f"{r.get('first_eval_version_at_target')} | {r.get('lowest_eval_after_reaching_target')} | "
                      f"{r.get('reward_mean_last')} | {r.get('skipped_steps_no_signal')} |")
-    write_results(results_dir, "convergence", result, "\n".join(lines))
+    write_results(results_dir, name, result, "\n".join(lines))
     return result
