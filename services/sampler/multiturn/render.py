@@ -59,6 +59,9 @@ class _Memo:
         future = self._items.get(key)
         if future is None:
             future = self._items[key] = asyncio.ensure_future(compute())
+            # Its callers may all be gone (cancelled) by the time it fails: the failure is
+            # theirs to report, not asyncio's "exception was never retrieved".
+            future.add_done_callback(lambda done: done.cancelled() or done.exception())
             if len(self._items) > self.size:
                 self._items.popitem(last=False)
         else:
