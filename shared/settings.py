@@ -11,10 +11,9 @@ a TOML array, repeated flags or one comma-separated string.
 
 from __future__ import annotations
 
-import json
-
 import argparse
 import contextvars
+import json
 import tomllib
 import types
 import typing

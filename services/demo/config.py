@@ -21,7 +21,8 @@ from shared.settings import EnvArgs, TandemSettings
 
 
 # Steps that take each built-in task from a greedy eval near 0 to near 1 on a 2-core CPU, with
-# margin (README "Demo"): parity_dialogue first reaches 1.0 near step 140 at seed 0.
+# margin (README "Demo"): parity_dialogue reaches >= 0.95 by step 70-80 on seeds 0-4
+# (bench/results/convergence_dialogue.md).
 STEPS_BY_ENV = {"toy": 150, "parity_dialogue": 250}
 
 

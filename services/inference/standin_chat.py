@@ -1,6 +1,6 @@
 """The tiny model's chat template rendered without transformers, for the stand-in's
 `POST /tokenize` with `messages`: the same text `tokenizer.apply_chat_template` writes for the
-CPU server (tests/inference/test_chat_template.py compares them), so a sampler that renders
+CPU server (tests/inference/test_inference_chat_template.py compares them), so a sampler that renders
 conversations through the stand-in gets what it would get from a server of the tiny model.
 
 Only what CHAT_TEMPLATE needs of transformers' rendering is reproduced: its Jinja sandbox with

@@ -105,7 +105,6 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         env_stats = EnvStats()
 
         def make_rollouts(environment: Environment) -> Rollouts:
-            check_environment(environment)
             return Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,
                             num_generations=settings.num_generations, sampling=sampling, seed=settings.seed,
                             advantage=settings.advantage, model_name=settings.model_name, nonfinite=nonfinite,
@@ -194,7 +193,10 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
 
 
 def create_app(settings: SamplerSettings, env: Environment | None = None, strategy: Strategy | None = None) -> FastAPI:
-    env = env or load_environment(settings.env, **settings.env_args)
+    if env is None:
+        env = load_environment(settings.env, **settings.env_args)  # checks its settings
+    else:
+        check_environment(env)  # built by the caller: refuse its bad settings here, as load_environment does
     strategy = strategy or load_strategy(settings)
 
     @asynccontextmanager

@@ -33,7 +33,9 @@ from services.sampler.envs.multiturn import MultiTurnEnvironment
 from services.sampler.inference_pool import InferenceError, InferencePool, InferenceRequestError
 from services.sampler.multiturn.render import ChatRenderer
 from services.sampler.multiturn.stats import EnvStats
-from services.sampler.multiturn.trajectories import GroupFailed, group_trajectories, note_fault, score, trajectory
+from services.sampler.multiturn.trajectories import (
+    GroupFailed, group_trajectories, note_fault, reward_timeout, score, trajectory,
+)
 from services.sampler.multiturn.workers import Workers
 from shared.contract import staleness
 from shared.wire import BatchStats, new_sample
@@ -190,8 +192,7 @@ class Rollouts:
         self.env_retries = env_retries
         self.multiturn = isinstance(env, MultiTurnEnvironment)
         self.renderer = ChatRenderer(self._tokenize)
-        self._max_model_len: int | None = None
-        self._context_known = False
+        self._served: dict[str, Any] | None = None  # /v1/models' first entry, once read
 
     @property
     def request_sampling(self) -> dict[str, Any]:
@@ -201,29 +202,30 @@ class Rollouts:
 
     async def model(self) -> str:
         """The served model id: the setting, else the first server's /v1/models."""
-        if self.model_name is not None:  # every request asks: no lock once it is known
-            return self.model_name
-        async with self._model_lock:
-            if self.model_name is None:
-                body, _ = await self._get_models()
-                self.model_name = body["data"][0]["id"]
-            return self.model_name
+        if self.model_name is None:
+            self.model_name = (await self._served_model())["id"]
+        return self.model_name
 
     async def context_length(self) -> int | None:
         """The served model's context (`max_model_len` of /v1/models), None when not given."""
-        if not self._context_known:
-            body, _ = await self._get_models()
-            value = body["data"][0].get("max_model_len")
-            self._max_model_len = int(value) if value else None
-            self._context_known = True
-        return self._max_model_len
+        value = (await self._served_model()).get("max_model_len")
+        return int(value) if value else None
+
+    async def _served_model(self) -> dict[str, Any]:
+        """The first entry of the servers' /v1/models (id, max_model_len), read once: every
+        trajectory of the first groups asks at the same moment."""
+        if self._served is None:
+            async with self._model_lock:
+                if self._served is None:
+                    self._served = await self._get_models()
+        return self._served
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         """POST /tokenize on a server in rotation (render.py renders turns with it)."""
         answer, _ = await self.pool.post("/tokenize", {**body, "model": await self.model()})
         return list(answer["tokens"])
 
-    async def _get_models(self) -> tuple[dict[str, Any], str]:
+    async def _get_models(self) -> dict[str, Any]:
         # A server in rotation first, waiting for one as a request would: at start-up the
         # servers may not be up yet, and the first eval must not fail for that.
         first = await self.pool.usable()
@@ -232,7 +234,7 @@ class Rollouts:
             try:
                 response = await self.pool.get(server.url, "/v1/models")
                 if response.status_code == 200:
-                    return response.json(), server.url
+                    return response.json()["data"][0]
                 last_error = f"{server.url}: HTTP {response.status_code}"
             except Exception as exc:  # noqa: BLE001 - try the next server
                 last_error = f"{server.url}: {exc!r}"
@@ -339,8 +341,8 @@ class Rollouts:
             except (InferenceError, asyncio.CancelledError):
                 raise
             except asyncio.TimeoutError:
-                error = note_fault(self, f"group {group_id} of prompt {example.prompt_id}", TimeoutError(
-                    f"a reward function did not answer within {self.env_timeout:g} s (setting env_timeout)"), attempt)
+                error = note_fault(self, f"group {group_id} of prompt {example.prompt_id}",
+                                   reward_timeout(self.env_timeout), attempt)
             except Exception as exc:  # noqa: BLE001 - the environment's fault: retried
                 error = note_fault(self, f"group {group_id} of prompt {example.prompt_id}", exc, attempt)
         raise GroupFailed(f"failed {self.env_retries + 1} times; last error: {error}")
@@ -348,12 +350,9 @@ class Rollouts:
     async def sample_one(self, example: Example, *, min_version: int, sampling: dict[str, Any],
                          label: str) -> tuple[Completion, tuple[float, dict[str, float]]]:
         """One completion of `example`, scored (evals): a whole conversation for a multi-turn
-        environment. Environment faults are retried as for training groups."""
+        environment, whose faults are retried as in training."""
         if self.multiturn:
-            completion, scored = await trajectory(self, example, label, min_version=min_version, seed=0,
-                                                  sampling=sampling)
-            assert scored is not None
-            return completion, scored
+            return await trajectory(self, example, label, min_version=min_version, seed=0, sampling=sampling)
         completions = await self.generate(self.env.format_prompt(example), n=1, min_version=min_version, **sampling)
         return completions[0], await score(self, example, completions[0])
 

@@ -4,11 +4,8 @@ faults (GET /status `environments`, /metrics `tandem_sampler_env_*`, the dashboa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-
-FIELDS = ("trajectories", "turns", "tool_calls", "tool_errors", "tool_timeouts",
-          "env_errors", "trajectory_retries", "groups_dropped")
 
 
 @dataclass
@@ -24,6 +21,10 @@ class EnvCounts:
     last_error: str | None = None
 
 
+# The counters (every field but last_error), as /metrics names them.
+FIELDS = tuple(f.name for f in fields(EnvCounts) if f.name != "last_error")
+
+
 @dataclass
 class EnvStats:
     """One per sampler, shared by every environment's Rollouts."""
@@ -37,5 +38,4 @@ class EnvStats:
         return counts
 
     def snapshot(self) -> dict[str, Any]:
-        return {env: {**{name: getattr(c, name) for name in FIELDS}, "last_error": c.last_error}
-                for env, c in sorted(self.by_env.items())}
+        return {env: asdict(counts) for env, counts in sorted(self.by_env.items())}

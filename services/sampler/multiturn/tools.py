@@ -58,21 +58,21 @@ async def _one(call: ToolCall, tools: dict[str, Tool], workers: Workers, counts:
         error = f"there is no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}"
     else:
         error = check_arguments(tool, call.arguments)
-    if error is None:
+    if error is not None:
+        counts.tool_errors += 1
+    else:
         assert tool is not None
         try:
             result = await asyncio.wait_for(workers.call(tool.fn, **call.arguments), tool.timeout)
         except asyncio.TimeoutError:
             counts.tool_timeouts += 1
-            counts.last_error = error = f"{tool.name} did not answer within {tool.timeout:g} s"
-            log.info("environment %r: tool call %s: %s", env_name, call.name, error)
-            return {"role": "tool", "content": f"error: {error}", "tool_call_id": call.id, "name": call.name}, True
+            error = f"{tool.name} did not answer within {tool.timeout:g} s"
         except Exception as exc:  # noqa: BLE001 - any tool failure goes back to the model
+            counts.tool_errors += 1
             error = f"{tool.name} failed: {type(exc).__name__}: {exc}"
         else:
             content = result if isinstance(result, str) else json.dumps(result, default=str)
             return {"role": "tool", "content": content, "tool_call_id": call.id, "name": tool.name}, False
-    counts.tool_errors += 1
     counts.last_error = f"tool call {call.name or '?'}: {error}"
     log.info("environment %r: tool call %s: %s", env_name, call.name or "?", error)
     return {"role": "tool", "content": f"error: {error}", "tool_call_id": call.id, "name": call.name}, True

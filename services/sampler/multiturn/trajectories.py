@@ -46,17 +46,20 @@ def note_fault(rollouts: Rollouts, what: str, exc: BaseException, attempt: int) 
     return error
 
 
+def reward_timeout(seconds: float) -> EnvFault:
+    return EnvFault(f"a reward function did not answer within {seconds:g} s (setting env_timeout)")
+
+
 async def score(rollouts: Rollouts, example: Example, completion: Completion) -> Scored:
     try:
         return await asyncio.wait_for(rollouts.env.score(example, completion), rollouts.env_timeout)
     except asyncio.TimeoutError:
-        raise EnvFault(f"a reward function did not answer within {rollouts.env_timeout:g} s "
-                       "(setting env_timeout)") from None
+        raise reward_timeout(rollouts.env_timeout) from None
 
 
 async def trajectory(rollouts: Rollouts, example: Example, label: str, *, min_version: int, seed: int,
-                     sampling: dict[str, Any], scored: bool = True) -> tuple[Completion, Scored | None]:
-    """One trajectory `label`, retried; its completion and (when `scored`) its score."""
+                     sampling: dict[str, Any]) -> tuple[Completion, Scored]:
+    """One trajectory `label`, retried; its completion and its score."""
     from services.sampler.rollout import derive_seed
 
     env = rollouts.env
@@ -82,7 +85,7 @@ async def trajectory(rollouts: Rollouts, example: Example, label: str, *, min_ve
             completion = await run_conversation(
                 env, example, generate=generate, renderer=rollouts.renderer, workers=rollouts.workers,
                 counts=rollouts.env_stats.of(env.name), limits=limits)
-            return completion, (await score(rollouts, example, completion) if scored else None)
+            return completion, await score(rollouts, example, completion)
         except (InferenceError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - the environment's fault: retried
@@ -102,4 +105,4 @@ async def group_trajectories(rollouts: Rollouts, example: Example, group_id: str
     except BaseExceptionGroup as group:
         raise group.exceptions[0] from None
     results = [task.result() for task in running]
-    return [c for c, _ in results], [s for _, s in results]  # type: ignore[misc]
+    return [c for c, _ in results], [s for _, s in results]
