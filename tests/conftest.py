@@ -60,6 +60,15 @@ def standin() -> Iterator[UvicornThread]:
 
 
 @pytest.fixture
+def two_standins() -> Iterator[list[UvicornThread]]:
+    """Two stand-ins that take 5 ms a token: requests overlap, so balance and hand-over show."""
+    servers = [start_standin(token_latency=0.005), start_standin(token_latency=0.005)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
 def make_sampler(redis_url: str, namespace: str, run_dir: Path, standin: UvicornThread
                  ) -> Iterator[Callable[..., UvicornThread]]:
     """make_sampler(**settings) -> a running sampler (UvicornThread) using the stand-in."""

@@ -20,7 +20,7 @@ import torch
 
 from services.inference import protocol as P
 from services.inference.engine import Output, VersionSpan
-from services.inference.testing import ServerHandle, start_server
+from services.inference.testing import ServerHandle, running_server
 from services.inference.tokenizer import TOOL_INSTRUCTION
 from shared.toolcalls import format_tool_call
 
@@ -167,9 +167,8 @@ def caller_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def caller(caller_model: Path) -> Iterator[ServerHandle]:
-    handle = start_server(caller_model, served_model_name="caller")
-    yield handle
-    handle.stop()
+    with running_server(caller_model, served_model_name="caller") as handle:
+        yield handle
 
 
 def test_a_call_the_model_writes_comes_back_as_tool_calls(caller: ServerHandle) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from services.inference.testing import ServerHandle, start_server
+from services.inference.testing import ServerHandle, running_server
 from services.sampler.envs.base import Environment
 from services.sampler.inference_pool import OK, InferencePool
 from services.sampler.multiturn.stats import EnvStats
@@ -21,9 +21,8 @@ from shared.http_client import HttpClient
 
 @pytest.fixture(scope="session")
 def cpu_server(tiny_model: Path) -> Iterator[ServerHandle]:
-    handle = start_server(tiny_model, served_model_name="tiny")
-    yield handle
-    handle.stop()
+    with running_server(tiny_model, served_model_name="tiny") as handle:
+        yield handle
 
 
 def server_root(url: str) -> str:

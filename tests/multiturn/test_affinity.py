@@ -12,17 +12,8 @@ import pytest
 
 from services.sampler.inference_pool import LEAVING
 from tests.support.envs import EchoDialogue
-from tests.support.servers import start_standin
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def two_standins():
-    servers = [start_standin(token_latency=0.002), start_standin(token_latency=0.002)]
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 def sessions(server) -> dict[str, int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.testing import start_server
+from services.inference.testing import running_server
 from services.sampler.multiturn.render import closing_overlap
 from tests.support.envs import EchoDialogue
 
@@ -46,9 +46,8 @@ def unstable_server(tiny_model: Path, tmp_path: Path):
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = UNSTABLE
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    handle = start_server(model, served_model_name="tiny")
-    yield handle
-    handle.stop()
+    with running_server(model, served_model_name="tiny") as handle:
+        yield handle
 
 
 async def test_a_template_that_is_not_prefix_stable_is_refused_naming_why(unstable_server, make_rollouts):

@@ -17,7 +17,6 @@ from services.sampler.inference_pool import (
 from services.sampler.completions import parse_completions
 from services.sampler.rollout import DatasetOrder
 from shared.http_client import HttpClient
-from tests.support.servers import start_standin
 
 
 def test_dataset_order_is_seeded_and_covers_each_epoch():
@@ -65,14 +64,6 @@ def test_parse_completions_refuses_missing_token_ids_or_logprobs():
         parse_completions({"choices": [{"text": "x", "logprobs": {"token_logprobs": [0.0]}}]}, 0)
     with pytest.raises(InferenceRequestError, match="logprobs"):
         parse_completions({"choices": [{"text": "x", "token_ids": [1], "prompt_token_ids": [1]}]}, 0)
-
-
-@pytest.fixture
-def two_standins():
-    servers = [start_standin(token_latency=0.005), start_standin(token_latency=0.005)]
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 async def _pool(urls, **kw) -> InferencePool:
