@@ -29,12 +29,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.inference.engine import Output, SamplingParams
+from services.inference.engine import Output, RequestError, SamplingParams
 from services.inference.tokenizer import message_text
 from shared.toolcalls import parse_tool_calls
 
 # JSON has no -inf; vLLM writes masked logprobs as -9999.0.
 NEG_INF_LOGPROB = -9999.0
+
+
+class StreamOptions(BaseModel):
+    """vLLM's `stream_options`: a last chunk with the whole request's usage (`include_usage`),
+    and/or each chunk's usage so far (`continuous_usage_stats`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+def check_stream_options(stream: bool | None, options: StreamOptions | None) -> None:
+    if options is not None and not stream:
+        # vLLM's own 400: options for a stream that will not be sent are a mistake in the request.
+        raise RequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
 
 
 class _Request(BaseModel):
@@ -56,6 +72,7 @@ class _Request(BaseModel):
     return_token_ids: bool | None = False
     return_weight_versions: bool = False
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -151,11 +168,11 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def _finite(x: float) -> float:
+def finite(x: float) -> float:
     return max(NEG_INF_LOGPROB, x)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens, "prompt_tokens_details": None}
 
@@ -164,7 +181,7 @@ def _top_dict(out: Output, j: int, piece) -> dict[str, float]:
     # vLLM returns the sampled token together with the top-k, so the dict can hold k + 1 entries.
     entries = dict(out.top_logprobs[j]) if out.top_logprobs else {}
     entries.setdefault(out.token_ids[j], out.logprobs[j])
-    return {piece(t): _finite(lp) for t, lp in entries.items()}
+    return {piece(t): finite(lp) for t, lp in entries.items()}
 
 
 def prompt_logprobs_json(out: Output, piece) -> list[dict[str, dict[str, Any]] | None] | None:
@@ -172,7 +189,7 @@ def prompt_logprobs_json(out: Output, piece) -> list[dict[str, dict[str, Any]] |
         return None
     rows: list[dict[str, dict[str, Any]] | None] = [None]
     for entries in out.prompt_logprobs:
-        rows.append({str(tid): {"logprob": _finite(lp), "rank": rank, "decoded_token": piece(tid)}
+        rows.append({str(tid): {"logprob": finite(lp), "rank": rank, "decoded_token": piece(tid)}
                      for tid, lp, rank in entries})
     return rows
 
@@ -187,7 +204,7 @@ def completion_choice(index: int, out: Output, prompt_ids: list[int], req: Compl
             pos += len(t)
         logprobs = {
             "text_offset": offsets,
-            "token_logprobs": [_finite(lp) for lp in out.logprobs],
+            "token_logprobs": [finite(lp) for lp in out.logprobs],
             "tokens": tokens,
             "top_logprobs": [_top_dict(out, j, piece) for j in range(len(out.token_ids))],
         }
@@ -217,7 +234,7 @@ def completion_response(
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": usage_json(prompt_tokens, completion_tokens),
         "kv_transfer_params": None,
     }
 
@@ -244,9 +261,9 @@ def chat_choice(index: int, out: Output, req: ChatCompletionRequest, piece, pars
             tok = piece(t)
             top = []
             if req.top_logprobs and out.top_logprobs:
-                top = [{"token": piece(i), "logprob": _finite(lp), "bytes": list(piece(i).encode())}
+                top = [{"token": piece(i), "logprob": finite(lp), "bytes": list(piece(i).encode())}
                        for i, lp in out.top_logprobs[j]]
-            content.append({"token": tok, "logprob": _finite(out.logprobs[j]), "bytes": list(tok.encode()),
+            content.append({"token": tok, "logprob": finite(out.logprobs[j]), "bytes": list(tok.encode()),
                             "top_logprobs": top})
         logprobs = {"content": content}
     content, tool_calls, finish_reason = out.text, [], out.finish_reason
@@ -278,7 +295,7 @@ def chat_response(model: str, choices: list[dict[str, Any]], outs: list[Output],
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": _usage(len(prompt_ids), sum(len(o.token_ids) for o in outs)),
+        "usage": usage_json(len(prompt_ids), sum(len(o.token_ids) for o in outs)),
         "prompt_logprobs": None,
         "prompt_token_ids": list(prompt_ids) if req.return_token_ids else None,
         "kv_transfer_params": None,

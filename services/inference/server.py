@@ -6,7 +6,8 @@ Tandem uses (docs/inference-api.md), so the sampler cannot tell it from `vllm se
 
 The routes, one APIRouter per resource under routes/ (each module lists its endpoints' shapes):
 
-* completions.py: `POST /v1/completions`, `POST /v1/chat/completions`.
+* completions.py: `POST /v1/completions`, `POST /v1/chat/completions` (with `stream: true` too).
+* generate.py: `POST /inference/v1/generate`, vLLM's token-in/token-out endpoint.
 * models.py: `GET /v1/models`, `POST /tokenize`, `POST /detokenize`.
 * weights.py: `POST /pause`, `POST /resume`, `GET /is_paused`, `POST /collective_rpc`,
   `POST /update_weight_version`, `GET /weight_info`, `POST /reset_prefix_cache`.
@@ -19,8 +20,9 @@ served model through deps.py.
 Errors -> `{"error": {"message", "type", "param", "code"}}`; request validation errors are
 400 (as in vLLM), an unknown model id is 404; a server fault is 500 (errors.py).
 
-Deliberate differences: no streaming (`stream: true` is a 400), no `echo`, and the initial
-weight-version label comes from settings (`weight_version`, default "0"; vLLM's is "default").
+Deliberate differences: a stream is sent once its answer is generated (vLLM's chunks, but all
+at the end; streaming.py), no `echo`, and the initial weight-version label comes from
+settings (`weight_version`, default "0"; vLLM's is "default").
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from services.inference.config import InferenceSettings
 from services.inference.deps import ServedModel
 from services.inference.engine import Engine
 from services.inference.metrics import InferenceMetrics
-from services.inference.routes import completions, health, models, weights
+from services.inference.routes import completions, generate, health, models, weights
 
 log = logging.getLogger("tandem.inference.server")
 
@@ -71,6 +73,6 @@ def create_app(settings: InferenceSettings, engine: Engine | None = None) -> Fas
     app = FastAPI(title="Tandem CPU inference (vLLM-compatible)", lifespan=lifespan)
     app.state.served_model = ServedModel(id=settings.model_id, created=int(time.time()))
     errors.install(app)
-    for module in (completions, models, health, weights):
+    for module in (completions, generate, models, health, weights):
         app.include_router(module.router)
     return app

@@ -1,7 +1,8 @@
 """A model-free stand-in for `vllm serve`, for tests and benchmarks of the sampler.
 
 It speaks the subset of vLLM's HTTP API that Tandem uses (completions with token ids,
-logprobs, prompt logprobs and weight-version spans; pause/resume; reload_weights; version
+logprobs, prompt logprobs and weight-version spans; /inference/v1/generate, vLLM's
+token-in/token-out endpoint, answered by the same generator; pause/resume; reload_weights; version
 labels; /tokenize, with chat messages rendered by the tiny model's chat template) and
 generates pseudo-random characters with a configurable latency per token, so that
 generation time can be set exactly. Tokens are bytes: token id = byte value, id 0 = EOS.
@@ -33,6 +34,7 @@ import orjson
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.inference import standin_generate
 from services.inference.standin_chat import ChatTemplateError, render_chat_text
 
 ALPHABET = "0123456789abcdefghij "
@@ -126,8 +128,26 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        s = st(request)
-        body = await request.json()
+        result = await _complete(st(request), await request.json(), request)
+        return result if isinstance(result, JSONResponse) else Response(orjson.dumps(result), media_type="application/json")
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request):
+        """vLLM's token-in/token-out endpoint, answered through the completion path
+        (standin_generate.py)."""
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        completion_body = standin_generate.completion_body(body, st(request).max_model_len)
+        if isinstance(completion_body, str):
+            return _error(400, completion_body)
+        result = await _complete(st(request), completion_body, request)
+        if isinstance(result, JSONResponse):
+            return result
+        return Response(orjson.dumps(standin_generate.generate_response(result, body)), media_type="application/json")
+
+    async def _complete(s: StandInState, body: dict[str, Any], request: Request) -> dict[str, Any] | JSONResponse:
+        """A /v1/completions body's answer, or the error response."""
         s.requests += 1
         if s.fail_next > 0:
             s.fail_next -= 1
@@ -170,12 +190,12 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
                     for t, lp in zip(prompt_ids[1:], rows[1:])
                 ]
         generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
-        return Response(orjson.dumps({
+        return {
             "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
             "model": s.model_id, "choices": list(choices),
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
                       "total_tokens": len(prompt_ids) + generated},
-        }), media_type="application/json")
+        }
 
     def _sample_now(max_tokens: int, temperature: float, rng: random.Random) -> tuple[list[int], str]:
         """The token loop of `_generate` without pauses or latency: same distribution."""

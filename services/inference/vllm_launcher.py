@@ -21,6 +21,10 @@ Flags on both builds (docs/inference-api.md; docs/vllm.md says why each one):
                                        behaviour-policy logprobs)
   --generation-config vllm             ignore the model's generation_config.json defaults, so
                                        sampling is exactly what the request says
+  --enable-scale-out                   also serve POST /inference/v1/generate (token ids in, token
+                                       ids and logprobs out; renderers' TrainClient calls it) and
+                                       vLLM's /render, /derender; without it those answer 403. The
+                                       OpenAI routes are unchanged (both 0.32 and 0.33 have the flag)
   --tensor-parallel-size, --data-parallel-size, --max-model-len, --max-num-seqs, --dtype,
   --seed, --served-model-name, --host, --port, then `extra_args` (last, so they win).
 
@@ -159,6 +163,7 @@ def build_command(settings: InferenceSettings, install: VllmInstall | None = Non
         "--served-model-name", settings.model_id,
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
+        "--enable-scale-out",
         "--tensor-parallel-size", str(settings.tensor_parallel_size),
         "--data-parallel-size", str(settings.data_parallel_size),
         "--max-num-seqs", str(settings.max_num_seqs),

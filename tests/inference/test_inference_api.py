@@ -122,7 +122,7 @@ def test_metrics_are_prometheus_text(server: ServerHandle) -> None:
         ({"prompt": ""}, 400, "empty"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
-        ({"prompt": "hi", "stream": True}, 400, "stream"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "only be defined when `stream=True`"),
     ],
 )
 def test_bad_completion_requests_are_4xx(server: ServerHandle, body, status, fragment) -> None:

@@ -36,6 +36,7 @@ def test_vllm_command_has_the_design_flags() -> None:
     assert _flag(argv, "--model") == "/models/qwen"
     assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
     assert _flag(argv, "--generation-config") == "vllm"
+    assert "--enable-scale-out" in argv  # POST /inference/v1/generate (403 without it)
     assert _flag(argv, "--port") == "8011" and _flag(argv, "--host") == "0.0.0.0"
     assert _flag(argv, "--tensor-parallel-size") == "2"
     assert _flag(argv, "--data-parallel-size") == "4"
@@ -65,6 +66,7 @@ def test_cpu_command_defaults(tmp_path: Path, monkeypatch) -> None:
     assert _flag(argv, "--dtype") == "float32"  # the checkpoint's, not vLLM's CPU auto (bfloat16)
     assert "--gpu-memory-utilization" not in argv
     assert _flag(argv, "--logprobs-mode") == "processed_logprobs" and _flag(argv, "--generation-config") == "vllm"
+    assert "--enable-scale-out" in argv
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
 

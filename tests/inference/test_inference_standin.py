@@ -11,6 +11,7 @@ import pytest
 
 from services.inference.standin import ALPHABET
 from services.inference.tokenizer import build_tokenizer
+from tests.support import generate_checks
 from tests.support.servers import UvicornThread, start_standin
 
 pytestmark = pytest.mark.timeout(60)
@@ -128,3 +129,47 @@ def test_bad_replies_are_400(standin: UvicornThread, replies) -> None:
     r = _post(standin, "/_standin/configure", {"replies": replies})
     assert r.status_code == 400 and "replies must be" in r.json()["error"]["message"]
     assert _post(standin, "/_standin/configure", {}).json()["replies"] is None  # unchanged
+
+
+def _generate(server: UvicornThread, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(server.url + "/inference/v1/generate", json=body, timeout=30, **kwargs)
+
+
+def test_generate_answers_in_vllms_tokens_shape(any_standin: UvicornThread) -> None:
+    """/inference/v1/generate on the stand-in: the completion path's tokens, in the generate
+    shape (with renderers' `token` strings), stop_token_ids honoured."""
+    prompt = list(b"count: ")
+    body = {"token_ids": prompt, "sampling_params": {"n": 2, "max_tokens": 6, "seed": 1, "logprobs": 1},
+            "return_token_ids": True}
+    r = _generate(any_standin, body, headers={"X-Session-ID": "trace-7"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["prompt_token_ids"] == prompt and out["output_mode"] == "tokens"
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for choice in out["choices"]:
+        generate_checks.check_logprobs_aligned(choice, token_strings=True)
+        n = len(choice["token_ids"])
+        assert choice["weight_versions"] == ([{"version": "0", "start": 0, "end": n}] if n else [])
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+    assert httpx.get(any_standin.url + "/_standin/stats").json()["sessions"] == {"trace-7": 1}
+
+    _post(any_standin, "/_standin/configure", {"reply": "abcabc"})
+    cut = _generate(any_standin, {"token_ids": prompt, "sampling_params": {"stop_token_ids": [ord("c")],
+                                                                           "logprobs": 0}}).json()["choices"][0]
+    assert cut["token_ids"] == list(b"abc") and (cut["finish_reason"], cut["stop_reason"]) == ("stop", ord("c"))
+    assert cut["weight_versions"] == [{"version": "0", "start": 0, "end": 3}]
+    assert len(cut["logprobs"]["content"]) == 3
+    plain = _generate(any_standin, {"token_ids": prompt, "sampling_params": {}}).json()["choices"][0]
+    assert plain["token_ids"] == list(b"abcabc") and plain["logprobs"] is None
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"token_ids": [], "sampling_params": {}}, "token_ids"),
+    ({"token_ids": [1, -2], "sampling_params": {}}, "token_ids"),
+    ({"token_ids": [1]}, "sampling_params"),
+    ({"token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 5000}}, "maximum context length"),
+])
+def test_bad_generate_bodies_are_400(standin: UvicornThread, body, fragment) -> None:
+    r = _generate(standin, body)
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text

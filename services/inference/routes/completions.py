@@ -1,15 +1,15 @@
 """POST /v1/completions and POST /v1/chat/completions: generation, in vLLM's OpenAI shapes.
 
 `prompt_logprobs: k` on a completion gives `choices[i].prompt_logprobs` in vLLM's shape
-(protocol.py). No streaming (`stream: true` is a 400) and no `echo`. A chat request's `tools`
-go to the chat template; with tool_choice "auto" (the default with tools) the answers are read
-for Hermes tool calls (chat.py, protocol.tool_call_message).
+(protocol.py). `stream: true` sends the same answer as server-sent events once it is generated
+(streaming.py). No `echo`. A chat request's `tools` go to the chat template; with tool_choice
+"auto" (the default with tools) the answers are read for Hermes tool calls (chat.py,
+protocol.tool_call_message), streamed as `delta.tool_calls`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -18,48 +18,16 @@ from services.inference import protocol as P
 from services.inference.chat import check_tools, parses_tool_calls, render_chat
 from services.inference.deps import EngineDep, Served
 from services.inference.engine import RequestError
+from services.inference.routes.common import text_decoder, token_pieces, unless_disconnected
+from services.inference.streaming import chat_chunks, completion_chunks, event_stream
 
 router = APIRouter(tags=["completions"])
-
-DISCONNECT_POLL_S = 1.0
-
-
-def _unsupported(req: P._Request) -> None:
-    if req.stream:
-        raise RequestError("stream=true is not supported by the CPU inference server", param="stream")
-
-
-async def _unless_disconnected(request: Request, coro) -> Any:
-    """Run `coro`; cancel it (aborting its sequences) if the client goes away meanwhile."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-def _piece(tokenizer):
-    cache: dict[int, str] = {}
-
-    def piece(token_id: int) -> str:
-        if token_id not in cache:
-            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
-        return cache[token_id]
-
-    return piece
 
 
 @router.post("/v1/completions")
 async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep, served: Served):
     served.check(req.model)
-    _unsupported(req)
+    P.check_stream_options(req.stream, req.stream_options)
     if req.echo:
         raise RequestError("echo=true is not supported by the CPU inference server", param="echo")
     prompt = req.prompt
@@ -82,23 +50,29 @@ async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep
     async def run():
         return await asyncio.gather(*(eng.generate(ids, sp, req.n) for ids, sp in zip(prompts, params)))
 
-    result = await _unless_disconnected(request, run())
+    result = await unless_disconnected(request, run())
     if isinstance(result, Response):
         return result
-    piece = _piece(eng.tokenizer)
+    piece = token_pieces(eng.tokenizer)
     choices, completion_tokens = [], 0
     for i, (ids, outs) in enumerate(zip(prompts, result)):
         for j, out in enumerate(outs):
             choices.append(P.completion_choice(i * req.n + j, out, ids, req, piece))
             completion_tokens += len(out.token_ids)
     prompt_tokens = sum(len(ids) for ids in prompts)
-    return P.completion_response(served.id, choices, prompt_tokens, completion_tokens)
+    response = P.completion_response(served.id, choices, prompt_tokens, completion_tokens)
+    if not req.stream:
+        return response
+    outs = [out for outs in result for out in outs]
+    lens = [len(ids) for ids, outs in zip(prompts, result) for _ in outs]
+    decode = text_decoder(eng.tokenizer, req.skip_special_tokens)
+    return event_stream(completion_chunks(response, outs, lens, req, decode))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: EngineDep, served: Served):
     served.check(req.model)
-    _unsupported(req)
+    P.check_stream_options(req.stream, req.stream_options)
     tools = check_tools(req.tools)
     parse_tools = parses_tool_calls(tools, req.tool_choice)
     ids = render_chat(eng.tokenizer, req.messages, req.add_generation_prompt,
@@ -108,9 +82,12 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: 
     top = (req.top_logprobs or 0) if req.logprobs else None
     sp = req.sampling(max_tokens, top)
     eng.validate(ids, sp)
-    outs = await _unless_disconnected(request, eng.generate(ids, sp, req.n))
+    outs = await unless_disconnected(request, eng.generate(ids, sp, req.n))
     if isinstance(outs, Response):
         return outs
-    piece = _piece(eng.tokenizer)
+    piece = token_pieces(eng.tokenizer)
     choices = [P.chat_choice(j, out, req, piece, parse_tools) for j, out in enumerate(outs)]
-    return P.chat_response(served.id, choices, outs, ids, req)
+    response = P.chat_response(served.id, choices, outs, ids, req)
+    if not req.stream:
+        return response
+    return event_stream(chat_chunks(response, outs, req, text_decoder(eng.tokenizer, req.skip_special_tokens)))
