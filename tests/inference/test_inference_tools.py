@@ -209,3 +209,25 @@ def test_the_openai_sdk_reads_the_tool_calls(caller: ServerHandle) -> None:
                           {"role": "tool", "tool_call_id": call.id, "content": "5"}]
     after = _tokenize(caller, messages=history, tools=[ADD])
     assert after[:len(first) + len(turn)] == first + turn
+
+
+def test_a_streamed_call_is_the_same_call(caller: ServerHandle) -> None:
+    """stream=True through the openai SDK: the content before the call as content deltas, the
+    call as one `delta.tool_calls` entry, finish_reason "tool_calls", as without streaming."""
+    client = openai.OpenAI(base_url=caller.base_url, api_key="unused", max_retries=0, timeout=60)
+    kwargs = {"model": "caller", "messages": QUESTION, "tools": [ADD], "temperature": 0, "max_tokens": 120}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert chunks[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for c in chunks) == whole.message.content == "Adding."
+    calls = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(c.index, c.type, c.function.name) for c in calls] == [(0, "function", "add")]
+    assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3}
+    assert calls[0].id.startswith("chatcmpl-tool-")
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"] == [whole.finish_reason]
+    # The SDK's own accumulation of the stream gives the non-streamed message.
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.message.content == "Adding." and final.finish_reason == "tool_calls"
+    [call] = final.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
