@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BeforeValidator, ValidationError
+from pydantic import BeforeValidator, JsonValue, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -58,8 +58,9 @@ def json_if_str(value: Any) -> Any:
     return value
 
 
-# An environment's keyword arguments (`env_args`): a JSON object of scalars.
-EnvArgs = Annotated[dict[str, str | int | float | bool], BeforeValidator(json_if_str)]
+# An environment's keyword arguments (`env_args`): a JSON object (nested for a verifiers
+# environment, whose arguments are its `[env]` block).
+EnvArgs = Annotated[dict[str, JsonValue], BeforeValidator(json_if_str)]
 
 
 class _TomlSource(PydanticBaseSettingsSource):

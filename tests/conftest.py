@@ -12,7 +12,9 @@ import pytest
 
 from services.sampler.app import create_app
 from services.sampler.config import SamplerSettings
-from tests.support.servers import SAMPLER_RUN_DIRS, UvicornThread, kill_embedded_redis, start_redis, start_standin
+from tests.support.servers import (
+    SAMPLER_RUN_DIRS, UvicornThread, free_port, kill_embedded_redis, start_redis, start_standin,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -81,8 +83,10 @@ def make_sampler(redis_url: str, namespace: str, run_dir: Path, standin: Uvicorn
             "prompts_per_step": 4, "num_generations": 4, "max_tokens": 8,
         }
         values.update(overrides)
+        # The sampler knows its own port: a verifiers environment calls back into it.
+        values.setdefault("port", free_port())
         settings = SamplerSettings(**values)
-        server = UvicornThread(create_app(settings)).start()
+        server = UvicornThread(create_app(settings), port=settings.port).start()
         server.settings = settings  # type: ignore[attr-defined]
         started.append(server)
         return server

@@ -44,12 +44,16 @@ from services.sampler.redis_server import start_embedded, watch_embedded
 from services.sampler.replay_store import ReplayPool
 from services.sampler.rollout import NonFiniteCounts, Rollouts
 from services.sampler.rollout_log import RolloutLog
-from services.sampler.routes import auth, batch, dashboard, evals, health, inference_servers, metrics, status, weights
+from services.sampler.routes import (
+    auth, batch, dashboard, evals, generate, health, inference_servers, metrics, status, weights,
+)
 from services.sampler.sources import FreshGroups
 from services.sampler.state import SamplerState
 from services.sampler.store import Store
 from services.sampler.strategies import Strategy, load_strategy
 from services.sampler.supervisor import Supervisor, install_task_dump
+from services.sampler.vf.environment import VerifiersLink
+from services.sampler.vf.sessions import Sessions
 from services.sampler.weight_sync import WeightSync
 from shared.http_client import HttpClient
 from shared.settings import SettingsError
@@ -103,13 +107,19 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         # One pool of worker threads and one tally of environment faults, for every environment.
         workers = Workers(settings.env_workers)
         env_stats = EnvStats()
+        # verifiers environments call back into this sampler's own POST /inference/v1/generate.
+        sessions = Sessions()
+        vf_link = VerifiersLink(base_url=settings.self_url, sessions=sessions, tokenizer=settings.vf_tokenizer,
+                                renderer=settings.vf_renderer, request_timeout=settings.request_timeout)
+        made: list[Rollouts] = []
 
         def make_rollouts(environment: Environment) -> Rollouts:
-            return Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,
-                            num_generations=settings.num_generations, sampling=sampling, seed=settings.seed,
-                            advantage=settings.advantage, model_name=settings.model_name, nonfinite=nonfinite,
-                            workers=workers, env_stats=env_stats, env_timeout=settings.env_timeout,
-                            env_retries=settings.env_retries)
+            made.append(Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,
+                                 num_generations=settings.num_generations, sampling=sampling, seed=settings.seed,
+                                 advantage=settings.advantage, model_name=settings.model_name, nonfinite=nonfinite,
+                                 workers=workers, env_stats=env_stats, env_timeout=settings.env_timeout,
+                                 env_retries=settings.env_retries, vf=vf_link))
+            return made[-1]
 
         rollouts = make_rollouts(env)
 
@@ -158,7 +168,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                              producer=producer, weight_sync=weight_sync, fleet=fleet, evals=eval_jobs,
                              rollouts_for=rollouts_for,
                              source=source, curriculum=curriculum, supervisor=supervisor, metrics=metrics,
-                             throughput=throughput, recent_rollouts=recent_rollouts, rollout_log=rollout_log)
+                             throughput=throughput, recent_rollouts=recent_rollouts, rollout_log=rollout_log,
+                             sessions=sessions)
         supervisor.spawn("redis link", link.run)
         supervisor.spawn("throughput", throughput.run)
 
@@ -184,6 +195,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             await state.fleet.shutdown()
             await state.evals.shutdown()
             await state.weight_sync.shutdown(SHUTDOWN_DEADLINE)
+        for made_rollouts in locals().get("made", []):
+            await made_rollouts.aclose()
         if "workers" in locals():
             workers.shutdown()
         await http.aclose()
@@ -218,7 +231,7 @@ def create_app(settings: SamplerSettings, env: Environment | None = None, strate
             raise
 
     app = FastAPI(title="Tandem sampler", version="0.1.0", lifespan=lifespan)
-    for module in (health, auth, batch, weights, inference_servers, evals, status, metrics, dashboard):
+    for module in (health, auth, batch, weights, inference_servers, evals, generate, status, metrics, dashboard):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
     app.add_middleware(HttpMetricsMiddleware)

@@ -117,3 +117,59 @@ def parse_completions(body: dict[str, Any], served_version: int | None) -> list[
             loss_mask=mask,
         ))
     return out
+
+
+def _sentinel(value: Any) -> bool:
+    """A logprob that reports nothing: null, NaN, infinite, or vLLM's clamp floor -9999.0 (what
+    its generate endpoint writes for a sampled token without a logprob)."""
+    if type(value) not in (int, float):
+        return True
+    return not math.isfinite(value) or value <= VLLM_LOGPROB_FLOOR
+
+
+VLLM_LOGPROB_FLOOR = -9999.0
+
+
+def parse_generate(body: dict[str, Any], served_version: int | None) -> tuple[dict[str, Any], list[int], list[int]]:
+    """A `POST /inference/v1/generate` answer (vLLM 0.32/0.33 tokens mode, or ours) ->
+    (the answer as the sampler serves it, the weight versions of its tokens, the positions of
+    its tokens that carry no logprob).
+
+    The rules are those of `parse_completions`: weight versions from `weight_versions` spans,
+    else the version served when the request was sent, and `WentBackwards` for spans older
+    than that. A token whose logprob is missing or a sentinel is served with logprob 0.0 and
+    its position returned, so the trajectory's sample masks it out of the loss: `renderers`
+    (verifiers' client) refuses a -9999.0, and the trainer must never learn from it. Each
+    logprob entry is served with both vLLM's integer `token_id` and the `token: "token_id:N"`
+    string `renderers` 0.1.12 checks."""
+    choices = body.get("choices") or []
+    if len(choices) != 1:
+        raise InferenceRequestError(f"inference answer has {len(choices)} choices for n=1")
+    choice = dict(choices[0])
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise InferenceRequestError("inference answer lacks choices[0].token_ids")
+    entries = ((choice.get("logprobs") or {}).get("content")) or []
+    if len(entries) != len(token_ids):
+        raise InferenceRequestError(f"inference answer has {len(entries)} logprobs for {len(token_ids)} tokens: "
+                                    "the request must ask for sampling_params.logprobs")
+    spans = choice.get("weight_versions")
+    if spans:
+        versions = _versions(spans)
+        if served_version is not None and (versions is None or versions[0] < served_version):
+            labels = sorted({str(span.get("version")) for span in spans})
+            raise WentBackwards(f"answered with weights labelled {', '.join(labels)} although it served version "
+                                f"{served_version} when the request was sent: it restarted or lost its weights")
+        versions = versions or []
+    else:
+        versions = [served_version] if served_version is not None else []
+    masked: list[int] = []
+    content = []
+    for i, (token, entry) in enumerate(zip(token_ids, entries)):
+        value = entry.get("logprob")
+        if _sentinel(value):
+            masked.append(i)
+            value = 0.0
+        content.append({**entry, "token_id": token, "token": f"token_id:{token}", "logprob": float(value)})
+    choice["logprobs"] = {"content": content}
+    return {**body, "choices": [choice]}, versions, masked

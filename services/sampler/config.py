@@ -132,6 +132,19 @@ class SamplerSettings(TandemSettings):
     env_retries: int = Field(
         default=2, ge=0, description="times a trajectory whose environment failed is run again before its group is dropped"
     )
+    # verifiers environments (env = verifiers:<taskset-id>; docs/environments.md).
+    vf_tokenizer: str | None = Field(
+        default=None, description="model directory or hub id whose tokenizer and chat template render verifiers "
+                                  "turns; unset = the served model's path (root of /v1/models)")
+    vf_renderer: str = Field(
+        default="tandem", description="renderer of verifiers turns: tandem (keeps sampled tokens verbatim), a "
+                                      "renderers name (auto, qwen3, ...) or custom:<module.Class>")
+
+    @property
+    def self_url(self) -> str:
+        """This sampler's own address, as a process on its machine reaches it."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def batch_size(self) -> int:

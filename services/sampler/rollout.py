@@ -153,6 +153,7 @@ class Group:
                 prompt_text=prompt_text,
                 completion_text=c.text,
                 **info,
+                **({"metrics": c.metrics} if c.metrics else {}),
             )
             for i, c in enumerate(self.completions)
         ]
@@ -165,7 +166,7 @@ class Rollouts:
                  num_generations: int, sampling: dict[str, Any], seed: int, advantage: str,
                  model_name: str | None, nonfinite: NonFiniteCounts | None = None,
                  workers: Workers | None = None, env_stats: EnvStats | None = None,
-                 env_timeout: float = 60.0, env_retries: int = 2):
+                 env_timeout: float = 60.0, env_retries: int = 2, vf: Any = None):
         self.env = env
         self.pool = pool
         self.prompts_per_step = prompts_per_step
@@ -190,7 +191,10 @@ class Rollouts:
         self.env_stats = env_stats if env_stats is not None else EnvStats()
         self.env_timeout = env_timeout
         self.env_retries = env_retries
-        self.multiturn = isinstance(env, MultiTurnEnvironment)
+        # Conversations: Tandem's multi-turn environments, or one that runs its own episodes
+        # (verifiers, vf/environment.py; `vf` is its link to the sampler, vf.VerifiersLink).
+        self.multiturn = isinstance(env, MultiTurnEnvironment) or hasattr(env, "run_trajectory")
+        self.vf = vf
         self.renderer = ChatRenderer(self._tokenize)
         self._served: dict[str, Any] | None = None  # /v1/models' first entry, once read
 
@@ -205,6 +209,16 @@ class Rollouts:
         if self.model_name is None:
             self.model_name = (await self._served_model())["id"]
         return self.model_name
+
+    async def model_root(self) -> str | None:
+        """Where the served model's files are (`root` of /v1/models: the path the server loaded)."""
+        return (await self._served_model()).get("root")
+
+    async def aclose(self) -> None:
+        """Stop what the environment holds open (a verifiers env's tool servers)."""
+        close = getattr(self.env, "aclose", None)
+        if close is not None:
+            await close()
 
     async def context_length(self) -> int | None:
         """The served model's context (`max_model_len` of /v1/models), None when not given."""

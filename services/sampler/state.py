@@ -28,6 +28,7 @@ from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
 from services.sampler.strategies import Strategy
 from services.sampler.supervisor import Supervisor
+from services.sampler.vf.sessions import Sessions
 from services.sampler.weight_sync import WeightSync
 from services.sampler.weights_check import WeightsCheck
 from shared.http_client import HttpClient
@@ -62,6 +63,8 @@ class SamplerState:
     throughput: ThroughputHistory
     recent_rollouts: RecentRollouts
     rollout_log: RolloutLog | None
+    # Open verifiers rollouts by trace id: POST /inference/v1/generate looks each call up here.
+    sessions: Sessions = field(default_factory=Sessions)
     # Refuses checkpoints holding NaN/inf at POST /weights_version (weights_check.py).
     weights_check: WeightsCheck = field(default_factory=WeightsCheck)
     started_at: float = field(default_factory=time.time)

@@ -18,7 +18,12 @@ BUILTINS = {
 
 
 def load_environment(name: str, **kwargs: Any) -> Environment:
-    """`name` is a built-in (see BUILTINS) or 'package.module:factory'."""
+    """`name` is a built-in (see BUILTINS), 'package.module:factory', or 'verifiers:<taskset-id>'
+    (a verifiers environment; `kwargs` are then its [env] block, services/sampler/vf)."""
+    if name.startswith("verifiers:"):
+        from services.sampler.vf.environment import VerifiersEnvironment
+
+        return VerifiersEnvironment(name.removeprefix("verifiers:"), **kwargs)
     factory = load_by_path(BUILTINS.get(name, name), "environment", list(BUILTINS))
     try:
         env = factory(**kwargs)

@@ -54,6 +54,9 @@ class Completion:
     loss_mask: list[int] | None = None
     # A multi-turn trajectory's `Conversation` (envs/multiturn.py): its turns and messages.
     conversation: Any = None
+    # Named numbers the environment measured but does not reward (verifiers' `@vf.metric`s):
+    # they travel with the sample (its `metrics`) into the rollout log.
+    metrics: dict[str, float] | None = None
 
 
 class Generate(Protocol):

@@ -35,8 +35,8 @@ import orjson
 
 # The fixed conversation every delta is taken against. Short and plain, so that no template
 # treats it specially; "." tokenizes alone in every tokenizer we know.
-_USER = {"role": "user", "content": "."}
-_ASSISTANT = {"role": "assistant", "content": "."}
+USER = {"role": "user", "content": "."}
+ASSISTANT = {"role": "assistant", "content": "."}
 CACHED = 4096  # opening prompts, and environment turns, each (a few MB at most)
 
 Tokenize = Callable[[dict[str, Any]], Awaitable[list[int]]]
@@ -100,16 +100,10 @@ class ChatRenderer:
         key = orjson.dumps(tools or [])
 
         async def compute() -> tuple[list[int], list[int]]:
-            header = await self._chat([_USER], tools, True)
-            base = await self._chat([_USER, _ASSISTANT], tools, False)
-            content = await self._tokenize({"prompt": _ASSISTANT["content"], "add_special_tokens": False})
-            start = len(header)
-            if base[:start] != header or base[start:start + len(content)] != content:
-                raise TemplateError(
-                    "the chat template does not render an assistant message after its generation prompt "
-                    f"(rendered {base!r} after {header!r}); multi-turn rollouts need a template whose "
-                    "conversations are prefixes of their continuations")
-            return base, base[start + len(content):]
+            header = await self._chat([USER], tools, True)
+            base = await self._chat([USER, ASSISTANT], tools, False)
+            content = await self._tokenize({"prompt": ASSISTANT["content"], "add_special_tokens": False})
+            return base, closing_of(header, base, content)
 
         base, closing = await self._fixed.get(key, compute)
         return key, base, closing
@@ -127,16 +121,33 @@ class ChatRenderer:
         tools_key, base, closing = await self._fixed_parts(tools)
 
         async def compute() -> list[int]:
-            full = await self._chat([_USER, _ASSISTANT, *messages], tools, True)
-            if full[:len(base)] != base:
-                raise TemplateError(
-                    "the chat template renders a conversation differently once messages follow it "
-                    f"({full[:len(base)]!r} against {base!r}); multi-turn rollouts need a template whose "
-                    "conversations are prefixes of their continuations")
-            return full[len(base):]
+            return delta_after(base, await self._chat([USER, ASSISTANT, *messages], tools, True))
 
         delta = await self.turns.get(orjson.dumps(messages) + tools_key, compute)
         return closing[closing_overlap(sampled, closing):] + delta
+
+
+def closing_of(header: list[int], base: list[int], content: list[int]) -> list[int]:
+    """The ids a template writes after an assistant message's content (ChatML: `<|im_end|>\\n`),
+    from the renders of [u] with a generation prompt (`header`), of [u, a] (`base`) and of a's
+    content alone."""
+    start = len(header)
+    if base[:start] != header or base[start:start + len(content)] != content:
+        raise TemplateError(
+            "the chat template does not render an assistant message after its generation prompt "
+            f"(rendered {base!r} after {header!r}); multi-turn rollouts need a template whose "
+            "conversations are prefixes of their continuations")
+    return base[start + len(content):]
+
+
+def delta_after(base: list[int], full: list[int]) -> list[int]:
+    """What `full` (the render of [u, a, *new] with a generation prompt) adds to `base` (of [u, a])."""
+    if full[:len(base)] != base:
+        raise TemplateError(
+            "the chat template renders a conversation differently once messages follow it "
+            f"({full[:len(base)]!r} against {base!r}); multi-turn rollouts need a template whose "
+            "conversations are prefixes of their continuations")
+    return full[len(base):]
 
 
 def closing_overlap(sampled: list[int], closing: list[int]) -> int:

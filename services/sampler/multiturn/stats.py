@@ -1,6 +1,6 @@
-"""What multi-turn environments did since the sampler started, per environment: turns,
+"""What multi-turn (and verifiers) environments did since the sampler started, per environment: turns,
 tool calls and their failures, trajectories retried and groups dropped after environment
-faults (GET /status `environments`, /metrics `tandem_sampler_env_*`, the dashboard)."""
+faults, verifiers traces that forked (GET /status `environments`, /metrics `tandem_sampler_env_*`, the dashboard)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class EnvCounts:
     env_errors: int = 0       # environment turns or rewards that raised or timed out
     trajectory_retries: int = 0
     groups_dropped: int = 0   # groups whose trajectory failed every retry (slot refilled)
+    forks: int = 0            # verifiers traces that forked into branches (vf/traces.py)
     last_error: str | None = None
 
 

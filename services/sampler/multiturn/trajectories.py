@@ -63,13 +63,24 @@ async def trajectory(rollouts: Rollouts, example: Example, label: str, *, min_ve
     from services.sampler.rollout import derive_seed
 
     env = rollouts.env
-    max_model_len = await rollouts.context_length()
-    limits = Limits(max_tokens=int(sampling.get("max_tokens") or rollouts.max_tokens), max_model_len=max_model_len,
-                    env_timeout=rollouts.env_timeout)
+    episodic = getattr(env, "run_trajectory", None)  # an environment that runs its own episodes (vf/)
+    if episodic is None:
+        max_model_len = await rollouts.context_length()
+        limits = Limits(max_tokens=int(sampling.get("max_tokens") or rollouts.max_tokens),
+                        max_model_len=max_model_len, env_timeout=rollouts.env_timeout)
     error = ""
     for attempt in range(rollouts.env_retries + 1):
         session = f"{label}/{attempt}"
         turns = 0
+        if episodic is not None:
+            try:
+                return await episodic(rollouts, example, session, min_version=min_version,
+                                      seed=derive_seed(seed, label, attempt), sampling=sampling)
+            except (InferenceError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the environment's fault: retried
+                error = note_fault(rollouts, f"trajectory {label} of prompt {example.prompt_id}", exc, attempt)
+                continue
 
         async def generate(prompt_ids: list[int], max_tokens: int) -> Completion:
             # A seed per turn: one seed for every turn would draw the same random numbers each

@@ -229,6 +229,7 @@ _ENV_HELP = {
     "env_errors": "environment turns or rewards that raised or passed env_timeout",
     "trajectory_retries": "trajectories run again after an environment failure",
     "groups_dropped": "groups dropped (and refilled) after a trajectory failed every retry",
+    "forks": "verifiers traces whose prompts stopped extending the sampled tokens (branches; the last one is the sample)",
 }
 
 

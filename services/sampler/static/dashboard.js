@@ -309,6 +309,7 @@ function renderStatus(st) {
   setText("env-tool-errors", total("tool_errors") + total("tool_timeouts"), 0);
   setText("env-retries", total("trajectory_retries"), 0);
   setText("env-dropped", total("groups_dropped"), 0);
+  setText("env-forks", total("forks"), 0);
   renderServers(st.inference_servers);
   const problems = [st.steps.last_error, ...st.steps.in_progress.map((p) => p.error)].filter(Boolean);
   if (st.rollout_log && st.rollout_log.last_error) problems.push("rollout log: " + st.rollout_log.last_error);

@@ -1,0 +1,133 @@
+"""Tandem's harness for verifiers environments: the agent's chat loop, run in the sampler's
+own event loop.
+
+verifiers runs a seat's agent program through a harness. The stock ones start a program per
+rollout (a `uv`-bootstrapped script, or a container), which costs a process and an install
+per trajectory: at GRPO's thousands of trajectories a step that is most of the time spent.
+This one is the loop itself, in-process: send the conversation to the rollout's model
+endpoint (verifiers' interception server, which records the trace), run the tool calls the
+answer makes on the task's MCP tool servers, send the results back, until an answer makes
+no tool call. Every model call still goes through the interception endpoint, which is what
+verifiers asks of a harness, so traces, limits, `@stop`s and request hooks all apply.
+
+It asks for non-streamed completions: the interception server generates a training turn
+whole either way, so streaming would only add framing. Registered with verifiers under the id
+`tandem-chat` (the top-level `tandem_chat` package, since verifiers imports harnesses by id).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import AsyncExitStack
+from typing import Any
+
+import httpx
+from verifiers.v1.clients import ModelContext
+from verifiers.v1.configs.harness import HarnessConfig
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.harness import Harness
+from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
+from verifiers.v1.runtimes import ProgramResult, Runtime
+from verifiers.v1.task import TaskData
+from verifiers.v1.trace import Trace
+
+HARNESS_ID = "tandem-chat"
+
+
+class TandemChatConfig(HarnessConfig):
+    id: str = HARNESS_ID
+    request_timeout: float = 600.0
+    """Seconds one model call may take (a call waits through weight syncs)."""
+
+
+class _Stopped(Exception):
+    """The rollout refused a turn (a limit or a `@stop`): the trace says why; not a failure."""
+
+
+class TandemChatHarness(Harness[TandemChatConfig]):
+    APPENDS_SYSTEM_PROMPT = True   # the system prompt stays a system message
+    SUPPORTS_MCP = True
+    SUPPORTS_RESUME = True         # a user turn relaunches the loop on the conversation so far
+    SUPPORTS_TOOL_INTERCEPTION = True
+    EXECUTES_CODE = False          # it runs no code; tools are the task's servers
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx: ModelContext, trace: Trace, runtime: Runtime, endpoint: str, secret: str,
+                     mcp_urls: dict[str, str], data: TaskData,
+                     tool_interception_url: str | None = None) -> ProgramResult:
+        system, prompt = self.resolve_prompt(data)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        elif prompt:
+            messages += [message_to_wire(m) for m in prompt]
+        headers = {"Authorization": f"Bearer {secret}"}
+        async with AsyncExitStack() as stack:
+            tools, dispatch, servers = [], {}, {}
+            if mcp_urls:
+                servers_config = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout}
+                                                 for name, url in mcp_urls.items()}}
+                tools, dispatch, servers = await connect_mcp(servers_config, stack)
+            http = await stack.enter_async_context(httpx.AsyncClient(timeout=self.config.request_timeout))
+            try:
+                while True:
+                    message = await self._complete(http, endpoint, headers, ctx.model, messages, tools)
+                    messages.append(message)
+                    calls = message.get("tool_calls") or []
+                    if not calls:
+                        break
+                    for call in calls:
+                        messages.append(await self._tool_message(http, call, dispatch, servers, headers,
+                                                                 tool_interception_url))
+            except _Stopped:
+                pass
+            except _ModelCallFailed as exc:
+                return ProgramResult(exit_code=1, stdout="", stderr=str(exc))
+        return ProgramResult(exit_code=0, stdout="", stderr="")
+
+    async def _complete(self, http: httpx.AsyncClient, endpoint: str, headers: dict[str, str], model: str,
+                        messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "messages": messages}
+        if tools:
+            body["tools"] = tools
+        response = await http.post(f"{endpoint.rstrip('/')}/chat/completions", json=body, headers=headers)
+        if response.status_code == 400 and "rollout stopped" in response.text:
+            raise _Stopped()
+        if response.status_code >= 400:
+            raise _ModelCallFailed(f"model call answered {response.status_code}: {response.text[:500]}")
+        message = response.json()["choices"][0]["message"]
+        return {k: v for k, v in message.items() if v is not None}
+
+    async def _tool_message(self, http: httpx.AsyncClient, call: dict[str, Any], dispatch: dict, servers: dict,
+                            headers: dict[str, str], gate_url: str | None) -> dict[str, Any]:
+        """The `tool` message answering `call`: its result, or an error the model can act on."""
+        name = call["function"]["name"]
+        reply = {"role": "tool", "tool_call_id": call.get("id", ""), "name": name}
+        try:
+            arguments = json.loads(call["function"].get("arguments") or "{}")
+        except ValueError as exc:
+            return {**reply, "content": f"error: the arguments are not valid JSON ({exc}); send a JSON object"}
+        if not isinstance(arguments, dict):
+            return {**reply, "content": "error: the arguments must be a JSON object"}
+        if gate_url:
+            # The rollout's tool gate: a request hook may deny the call and give its result.
+            decision = await http.post(gate_url, headers=headers,
+                                       json={"tool_call_id": call.get("id"), "name": name, "arguments": arguments})
+            decision.raise_for_status()
+            verdict = decision.json()
+            if verdict["action"] == "stop":
+                raise _Stopped()
+            if verdict["action"] == "deny":
+                return verdict["message"]
+        if name not in dispatch:
+            return {**reply, "content": f"error: there is no tool named {name!r}; the tools are "
+                                        f"{', '.join(sorted(dispatch)) or 'none'}"}
+        try:
+            content = await call_mcp(servers, dispatch, name, arguments)
+        except Exception as exc:  # noqa: BLE001 - a failing tool is an answer the model reads
+            content = f"error: the tool failed: {type(exc).__name__}: {exc}"
+        return {**reply, "content": content}
+
+
+class _ModelCallFailed(Exception):
+    pass

@@ -1,0 +1,107 @@
+"""A finished verifiers episode -> one sample: the trainable trace's tokens, masks and
+logprobs, its reward, its metrics.
+
+* **Which trace.** An episode's trainable traces (an agent the env did not mark
+  `trainable = False`, as user-sim marks its simulated user). Exactly one is needed: a group
+  has one sample per trajectory (the batch-shape contract), so an env with several trainable
+  seats per episode (self-play, best-of-n) is refused with what to do about it.
+* **Which tokens.** A trace is a graph of messages; each root-to-leaf path (`Branch`) is an
+  exact token sequence. A conversation whose every prompt extends the tokens before it is
+  one branch; one whose re-rendered prompt does not (a harness that rewrote history, a
+  template that re-tokenizes sampled text differently) forks. The sample is the branch that
+  holds the trace's last model turn, the conversation as it ended; the other branches are
+  counted (`forks`, GET /status and the dashboard) and not trained on. Tandem's renderer
+  (vf/renderer.py) carries sampled tokens verbatim, so our models never fork.
+* **Masks and logprobs.** The prompt is everything before the first sampled token; the
+  completion is the rest, model turns and the environment's turns between them, with
+  `loss_mask` 1 on sampled tokens only (and 0 on a sampled token the server gave no
+  logprob for, vf/sessions.py). Logprobs are the sampled ones, 0.0 elsewhere.
+* **Versions.** Those of the model calls whose prompt and answer this branch contains.
+* **Reward.** `trace.reward` (the weighted sum of `@vf.reward`s); `rewards` by name, raw
+  scores; `@vf.metric`s go to the sample's `metrics` (the rollout log keeps them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.sampler.envs.base import Completion
+from services.sampler.multiturn.conversation import EnvFault
+from services.sampler.vf.sessions import Session
+
+Scored = tuple[float, dict[str, float]]
+
+
+def trace_errors(traces: list[Any], episode: Any) -> str:
+    errors = [*episode.errors, *(e for t in traces for e in t.errors)]
+    return "; ".join(f"{e.type}: {e.message}" for e in errors[-3:]) or "no error was recorded"
+
+
+def trainable_trace(episode: Any) -> Any:
+    if not episode.ok:
+        raise EnvFault(f"the verifiers episode failed: {trace_errors(episode.traces, episode)}")
+    trainable = [t for t in episode.traces if t.agent is None or t.agent.trainable]
+    if len(trainable) != 1:
+        seats = ", ".join(sorted({t.agent.name for t in trainable if t.agent is not None})) or "none"
+        raise EnvFault(f"a verifiers episode must have exactly one trainable trace to become one sample; this one "
+                       f"has {len(trainable)} (seats: {seats}). Mark the other agents untrainable in the env's "
+                       "setup() (agents.<name>.trainable = False)")
+    return trainable[0]
+
+
+def final_branch(trace: Any) -> tuple[Any, int]:
+    """The branch holding the trace's last model turn, and how many other branches there are."""
+    sampled = [node for node in trace.nodes if node.sampled]
+    if not sampled:
+        raise EnvFault("the verifiers trace has no model turn")
+    last = sampled[-1]
+    branches = trace.branches
+    for branch in branches:
+        if any(node is last for node in branch.nodes):
+            return branch, len(branches) - 1
+    raise EnvFault("the verifiers trace's last model turn is on no branch")  # a graph verifiers would not build
+
+
+def completion_of(trace: Any, session: Session | None, min_version: int) -> tuple[Completion, Scored, int]:
+    """(the sample's completion, its score, forks) of a finished trainable trace."""
+    branch, forks = final_branch(trace)
+    ids = branch.token_ids
+    mask = branch.sampled_mask
+    logprobs = branch.logprobs
+    first = mask.index(True)
+    loss_mask = [int(m) for m in mask[first:]]
+    versions: set[int] = set()
+    finish = "stop"
+    for call in session.calls if session is not None else []:
+        whole = call.prompt_ids + call.completion_ids
+        if ids[: len(whole)] != whole:
+            continue  # a call of another branch
+        versions.update(call.versions)
+        finish = call.finish_reason if call.finish_reason in ("stop", "length") else "stop"
+        for position in call.masked:
+            loss_mask[len(call.prompt_ids) + position - first] = 0
+    parts = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
+    metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None}
+    completion = Completion(
+        text=transcript(branch.messages),
+        prompt_token_ids=ids[:first],
+        token_ids=ids[first:],
+        logprobs=[float(x) if m else 0.0 for x, m in zip(logprobs[first:], mask[first:])],
+        finish_reason=finish,
+        versions=sorted(versions) or [min_version],
+        loss_mask=loss_mask,
+        metrics=metrics or None,
+    )
+    return completion, (float(trace.reward), parts), forks
+
+
+def transcript(messages: list[Any]) -> str:
+    """The conversation after its prompt, for people (rollout log, dashboard)."""
+    start = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
+    lines = []
+    for message in messages[start:]:
+        content = message.content if isinstance(message.content, str) else str(message.content or "")
+        calls = getattr(message, "tool_calls", None) or []
+        text = content + "".join(f" [tool call {c.name} {c.arguments}]" for c in calls)
+        lines.append(text if message.role == "assistant" else f"[{message.role}] {text}")
+    return "\n".join(lines)

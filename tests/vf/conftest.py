@@ -1,0 +1,34 @@
+"""verifiers environments: the test tasksets and harnesses under plugins/ are importable by
+id (verifiers imports `tandem-vf-parity` as the module `tandem_vf_parity`), in this process
+and in the tool servers verifiers starts as subprocesses (PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture(scope="package", autouse=True)
+def vf_plugins() -> Iterator[Path]:
+    sys.path.insert(0, str(PLUGINS))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGINS), str(Path.cwd()), before) if p)
+    yield PLUGINS
+    sys.path.remove(str(PLUGINS))
+    if before is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = before
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.byte_tokenizer import save_byte_tokenizer
+
+    return save_byte_tokenizer(tmp_path_factory.mktemp("byte-tokenizer"))
