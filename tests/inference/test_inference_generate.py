@@ -43,6 +43,10 @@ def test_bad_requests_are_400(server: ServerHandle) -> None:
     checks.check_bad_requests_are_400(server.url)
 
 
+def test_stream_adds_up(server: ServerHandle) -> None:
+    checks.check_stream_adds_up(server.url)
+
+
 def test_same_tokens_and_logprobs_as_a_completion(server: ServerHandle) -> None:
     """One engine path: a token-id completion with the same seed gives the same answer."""
     params = {"n": 2, "temperature": 0.8, "top_p": 0.9, "seed": 21, "max_tokens": 10, "ignore_eos": True}

@@ -9,6 +9,7 @@ the integer `token_id` only, so its tier passes False (the sampler adds the stri
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -117,3 +118,26 @@ def check_bad_requests_are_400(url: str) -> None:
         assert r.status_code == 400, (body, r.text)
         error = r.json()["error"]
         assert error["code"] == 400 and error["message"], (body, error)
+
+
+def check_stream_adds_up(url: str) -> None:
+    """stream=true: server-sent events whose per-token deltas add up to the non-streamed answer
+    for the same seed; the last chunk of the choice has finish_reason and weight_versions."""
+    params = {"temperature": 1.0, "seed": 13, "max_tokens": 6, "ignore_eos": True, "logprobs": 0}
+    whole = generate(url, params)["choices"][0]
+    body = {"model": "tiny", "token_ids": PROMPT, "sampling_params": params, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = httpx.post(url + "/inference/v1/generate", json=body, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    frames = r.text.split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""], frames[-3:]
+    events = [json.loads(f.removeprefix("data: ")) for f in frames[:-2]]
+    *chunks, usage = events
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    choices = [e["choices"][0] for e in chunks]
+    assert [t for c in choices for t in c["token_ids"]] == whole["token_ids"]
+    streamed = [(e["token_id"], e["logprob"]) for c in choices for e in c["logprobs"]["content"]]
+    assert streamed == [(e["token_id"], e["logprob"]) for e in whole["logprobs"]["content"]]
+    assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert all(c["finish_reason"] is None and c["weight_versions"] is None for c in choices[:-1])
+    assert choices[-1]["weight_versions"] == whole["weight_versions"]
