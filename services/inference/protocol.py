@@ -3,7 +3,8 @@ JSON shapes (what `vllm serve` returns for the same request).
 
 Requests accept the OpenAI fields plus vLLM's extras Tandem uses (`return_token_ids`,
 `return_weight_versions`, `ignore_eos`, `top_k`, `min_p`, `min_tokens`, `stop_token_ids`, ...); unknown
-fields are ignored, as vLLM does. Responses:
+fields are ignored, as vLLM does. `stream: true` (with `stream_options`) sends the response below
+as chunks (streaming.py). Responses:
 
 * completion choice: `index, text, logprobs {tokens, token_logprobs, top_logprobs, text_offset} | null,
   finish_reason, stop_reason, prompt_logprobs, token_ids, prompt_token_ids`
