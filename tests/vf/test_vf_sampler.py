@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.inference.testing import running_server
+from shared.toolcalls import format_tool_call
 from shared.wire import Sample
 
 pytestmark = pytest.mark.timeout(180)
@@ -158,3 +159,30 @@ async def test_a_harness_that_crashes_fails_its_trajectory_not_the_sampler(make_
     assert "crashed on purpose" in counts["last_error"], counts
     async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_a_tool_call_runs_on_the_tasksets_tool_server_and_its_answer_is_masked(make_sampler, standin,
+                                                                                      byte_tokenizer):
+    # The stand-in plays a model that calls `calc_add` then answers with the sum (its tokens are
+    # bytes: the sampler renders turns with a byte tokenizer of the same chat template).
+    call = format_tool_call("calc_add", {"a": 2, "b": 3})
+    httpx.post(standin.url + "/_standin/configure", json={"replies": [call, "5"]}).raise_for_status()
+    sampler = make_sampler(env="verifiers:tandem-vf-tools", vf_tokenizer=str(byte_tokenizer), prompts_per_step=1,
+                           num_generations=2, max_tokens=128)
+    samples = await batch(sampler)
+    assert len(samples) == 2
+    for s in samples:
+        text = bytes(s.completion_token_ids).decode()
+        prompt = bytes(s.prompt_token_ids).decode()
+        assert '"name": "calc_add"' in prompt  # the tool server's tool, offered in the template's tools block
+        tool_turn = "<|im_end|>\n<|im_start|>tool\n"
+        assert text.startswith(call) and tool_turn in text, text
+        answer_at = text.index(tool_turn) + len(tool_turn)
+        assert text[answer_at:].startswith("5<|im_end|>\n<|im_start|>assistant\n5")  # the tool's 2 + 3, then "5"
+        # Trained on: the two sampled turns, as sampled; not the tool's answer nor the template's.
+        trained = bytes(t for t, m in zip(s.completion_token_ids, s.loss_mask) if m)
+        assert trained == (call + "5").encode(), trained
+        assert s.model_extra["metrics"] == {"tool_calls": 1.0}
+    assert all(s.reward == float(s.prompt_text == "add 2 and 3") for s in samples)
+    counts = (await status(sampler))["environments"]["verifiers:tandem-vf-tools"]
+    assert counts["tool_calls"] == counts["trajectories"] and counts["forks"] == 0
