@@ -186,3 +186,27 @@ async def test_a_tool_call_runs_on_the_tasksets_tool_server_and_its_answer_is_ma
     assert all(s.reward == float(s.prompt_text == "add 2 and 3") for s in samples)
     counts = (await status(sampler))["environments"]["verifiers:tandem-vf-tools"]
     assert counts["tool_calls"] == counts["trajectories"] and counts["forks"] == 0
+
+
+async def test_a_weight_sync_in_the_middle_of_episodes_shows_in_their_versions(make_sampler, byte_tokenizer):
+    from tests.support.servers import start_standin
+
+    slow = start_standin(token_latency=0.03)  # ~0.25 s a turn: episodes are in flight when the sync comes
+    try:
+        sampler = make_sampler(env="verifiers:tandem-vf-dialogue", env_args='{"turns": 3}', max_tokens=8,
+                               inference_urls=[slow.url], max_staleness=1, vf_tokenizer=str(byte_tokenizer))
+        async with httpx.AsyncClient(base_url=sampler.url, timeout=60) as http:
+            while not (await http.get("/status")).json()["steps"]["in_progress"]:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.6)  # batches 0 and 1 (both allowed on version 0) are mid-episode now
+            assert (await http.post("/weights_version", json={"version": 1})).status_code == 200
+            body = (await http.get("/batch", params={"step": 0, "timeout": 60})).json()
+        straddling = [s for s in body["samples"] if s["versions"] == [0, 1]]
+        assert straddling, [s["versions"] for s in body["samples"]]
+        assert all(s["policy_version"] == 0 for s in straddling)  # the oldest version that sampled a token
+        # Three model turns each (the stand-in may answer a turn with no token at all: then the
+        # first sampled token, where the completion starts, is in a later turn).
+        assert all(bytes(s["prompt_token_ids"] + s["completion_token_ids"]).decode().count("<|im_start|>user\nagain")
+                   == 2 for s in straddling)
+    finally:
+        slow.stop()

@@ -130,9 +130,12 @@ class VerifiersEnvironment(Environment):
             for trace_id in opened:
                 link.sessions.close(trace_id)
                 rollouts.pool.release(trace_id)
-        for session in sessions.values():
-            if session is not None and session.inference_error is not None:
-                raise session.inference_error
+        if not episode.ok:
+            # A model call the pool could not serve is the pool's failure, not the environment's
+            # (one that failed and then succeeded on the client's retry left the episode ok).
+            for session in sessions.values():
+                if session is not None and session.inference_error is not None:
+                    raise session.inference_error
         trace = trainable_trace(episode)
         completion, scored, forks = completion_of(trace, sessions.get(trace.id), min_version)
         counts = rollouts.env_stats.of(self.name)
