@@ -1,6 +1,7 @@
-"""verifiers environments: the test tasksets and harnesses under plugins/ are importable by
-id (verifiers imports `tandem-vf-parity` as the module `tandem_vf_parity`), in this process
-and in the tool servers verifiers starts as subprocesses (PYTHONPATH)."""
+"""verifiers environments: the test tasksets and harnesses under plugins/, and the example
+under examples/verifiers/, are importable by id (verifiers imports `tandem-vf-parity` as the
+module `tandem_vf_parity`), in this process and in the tool servers verifiers starts as
+subprocesses (PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ from pathlib import Path
 import pytest
 
 PLUGINS = Path(__file__).parent / "plugins"
+EXAMPLES = Path(__file__).parents[2] / "examples" / "verifiers"
 
 
 @pytest.fixture(scope="package", autouse=True)
 def vf_plugins() -> Iterator[Path]:
-    sys.path.insert(0, str(PLUGINS))
+    dirs = [str(PLUGINS), str(EXAMPLES)]
+    sys.path[:0] = dirs
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGINS), str(Path.cwd()), before) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*dirs, str(Path.cwd()), before) if p)
     yield PLUGINS
-    sys.path.remove(str(PLUGINS))
+    for directory in dirs:
+        sys.path.remove(directory)
     if before is None:
         os.environ.pop("PYTHONPATH", None)
     else:
