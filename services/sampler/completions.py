@@ -43,6 +43,22 @@ def _versions(spans: list[dict[str, Any]]) -> list[int] | None:
     return None if None in versions else sorted(versions)  # type: ignore[type-var]
 
 
+def token_versions(spans: list[dict[str, Any]] | None, served_version: int | None) -> list[int]:
+    """The versions that produced an answer's tokens: its `weight_versions` spans, else the
+    version the server served when the request was sent. `WentBackwards` when the spans are
+    older than that, or unlabelled: the server restarted or lost its weights."""
+    if not spans:
+        return [served_version] if served_version is not None else []
+    versions = _versions(spans)
+    if served_version is not None and (versions is None or versions[0] < served_version):
+        labels = sorted({str(span.get("version")) for span in spans})
+        raise WentBackwards(
+            f"answered with weights labelled {', '.join(labels)} although it served version "
+            f"{served_version} when the request was sent: it restarted or lost its weights"
+        )
+    return versions or []
+
+
 def _masked_logprobs(logprobs: list[Any]) -> tuple[list[float], list[int] | None]:
     """Logprobs with each null or non-finite one replaced by 0.0, and the loss mask that
     leaves those tokens out (None when every one is finite)."""
@@ -86,18 +102,7 @@ def parse_completions(body: dict[str, Any], served_version: int | None) -> list[
                 f"inference answer has {0 if logprobs is None else len(logprobs)} logprobs "
                 f"for {len(token_ids)} tokens: the server must honour logprobs=0"
             )
-        spans = choice.get("weight_versions")
-        if spans:
-            versions = _versions(spans)
-            if served_version is not None and (versions is None or versions[0] < served_version):
-                labels = sorted({str(span.get("version")) for span in spans})
-                raise WentBackwards(
-                    f"answered with weights labelled {', '.join(labels)} although it served version "
-                    f"{served_version} when the request was sent: it restarted or lost its weights"
-                )
-            versions = versions or []
-        else:
-            versions = [served_version] if served_version is not None else []
+        versions = token_versions(choice.get("weight_versions"), served_version)
         mask = None
         try:
             floats = list(map(float, logprobs))
@@ -153,16 +158,7 @@ def parse_generate(body: dict[str, Any], served_version: int | None) -> tuple[di
     if len(entries) != len(token_ids):
         raise InferenceRequestError(f"inference answer has {len(entries)} logprobs for {len(token_ids)} tokens: "
                                     "the request must ask for sampling_params.logprobs")
-    spans = choice.get("weight_versions")
-    if spans:
-        versions = _versions(spans)
-        if served_version is not None and (versions is None or versions[0] < served_version):
-            labels = sorted({str(span.get("version")) for span in spans})
-            raise WentBackwards(f"answered with weights labelled {', '.join(labels)} although it served version "
-                                f"{served_version} when the request was sent: it restarted or lost its weights")
-        versions = versions or []
-    else:
-        versions = [served_version] if served_version is not None else []
+    versions = token_versions(choice.get("weight_versions"), served_version)
     masked: list[int] = []
     content = []
     for i, (token, entry) in enumerate(zip(token_ids, entries)):
