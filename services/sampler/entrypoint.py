@@ -10,6 +10,9 @@ from services.sampler.config import SamplerSettings
 from shared.settings import SettingsError, load
 
 
+KEEP_ALIVE_S = 75
+
+
 def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
     try:
         settings = load(SamplerSettings, argv, prog=prog)
@@ -17,6 +20,11 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level != "debug":
+        # A line per HTTP request and per verifiers rollout (hundreds a second in a verifiers
+        # run: its clients log each call at INFO) would bury the sampler's own lines.
+        for name in ("httpx", "httpx2", "verifiers", "mcp"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
     import uvicorn
 
@@ -39,8 +47,12 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
                 closing()
             super().handle_exit(sig, frame)
 
+    # Idle connections are kept longer than clients keep theirs (httpx: 5 s, uvicorn's default
+    # too): with equal timeouts a client reuses a connection the server is closing at that
+    # moment and its request fails ("Server disconnected"), which verifiers' client does not retry.
     config = uvicorn.Config(_refusal_in_one_line(app), host=settings.host, port=settings.port,
-                            log_level=settings.log_level, timeout_graceful_shutdown=10)
+                            log_level=settings.log_level, timeout_graceful_shutdown=10,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     try:
         SamplerServer(config).run()
     except SystemExit:

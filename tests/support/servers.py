@@ -50,8 +50,9 @@ class UvicornThread:
     def __init__(self, app: Any, port: int | None = None, host: str = "127.0.0.1"):
         self.port = port or free_port()
         self.host = host
+        # As `tandem sampler` serves (services/sampler/entrypoint.py: longer than clients keep theirs).
         config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=75)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 

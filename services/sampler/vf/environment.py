@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +70,19 @@ def renderer_config(name: str) -> dict[str, Any]:
     return {"name": name}
 
 
+def absolute_pythonpath() -> None:
+    """Make PYTHONPATH's entries absolute: verifiers starts tool servers as `python -m <module>`
+    in a scratch directory, where `PYTHONPATH=examples/verifiers` would name nothing (and the
+    server would never come up: verifiers waits 180 s for it before it says so)."""
+    entries = os.environ.get("PYTHONPATH")
+    if entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in entries.split(os.pathsep))
+
+
 class VerifiersEnvironment(Environment):
     def __init__(self, taskset_id: str, **env_args: Any):
         self.vf = import_verifiers()
+        absolute_pythonpath()
         self.taskset_id = taskset_id
         self.name = PREFIX + taskset_id
         train_block, eval_block = split_blocks(env_args)

@@ -63,12 +63,12 @@ class TandemChatHarness(Harness[TandemChatConfig]):
             messages += [message_to_wire(m) for m in prompt]
         headers = {"Authorization": f"Bearer {secret}"}
         async with AsyncExitStack() as stack:
-            tools, dispatch, servers = [], {}, {}
-            if mcp_urls:
-                servers_config = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout}
-                                                 for name, url in mcp_urls.items()}}
-                tools, dispatch, servers = await connect_mcp(servers_config, stack)
-            http = await stack.enter_async_context(httpx.AsyncClient(timeout=self.config.request_timeout))
+            tools = await self._tool_schemas(mcp_urls)
+            mcp = _LazyTools(mcp_urls, self.config.tool_timeout, stack)
+            # No TLS to set up for the rollout's own (local) endpoint: a default client loads the
+            # CA bundle, ~60 ms of the event loop's time per segment.
+            http = await stack.enter_async_context(httpx.AsyncClient(
+                timeout=self.config.request_timeout, verify=not endpoint.startswith("http://")))
             try:
                 while True:
                     message = await self._complete(http, endpoint, headers, ctx.model, messages, tools)
@@ -77,13 +77,28 @@ class TandemChatHarness(Harness[TandemChatConfig]):
                     if not calls:
                         break
                     for call in calls:
-                        messages.append(await self._tool_message(http, call, dispatch, servers, headers,
-                                                                 tool_interception_url))
+                        messages.append(await self._tool_message(http, call, mcp, headers, tool_interception_url))
             except _Stopped:
                 pass
             except _ModelCallFailed as exc:
                 return ProgramResult(exit_code=1, stdout="", stderr=str(exc))
         return ProgramResult(exit_code=0, stdout="", stderr="")
+
+    async def _tool_schemas(self, mcp_urls: dict[str, str]) -> list[dict[str, Any]]:
+        """The tools the rollout's MCP servers offer, as chat `tools`. Listed once per set of
+        servers: a taskset's shared servers are the same for every rollout, and opening an MCP
+        client costs tens of milliseconds of the event loop."""
+        if not mcp_urls:
+            return []
+        key = tuple(sorted(mcp_urls.items()))
+        cache: dict[tuple, list[dict[str, Any]]] = self.__dict__.setdefault("_tools_by_servers", {})
+        if key not in cache:
+            async with AsyncExitStack() as stack:
+                tools, _, _ = await connect_mcp(_servers_config(mcp_urls, self.config.tool_timeout), stack)
+            if len(cache) >= TOOL_LISTS_KEPT:
+                cache.pop(next(iter(cache)))
+            cache[key] = tools
+        return cache[key]
 
     async def _complete(self, http: httpx.AsyncClient, endpoint: str, headers: dict[str, str], model: str,
                         messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -98,7 +113,7 @@ class TandemChatHarness(Harness[TandemChatConfig]):
         message = response.json()["choices"][0]["message"]
         return {k: v for k, v in message.items() if v is not None}
 
-    async def _tool_message(self, http: httpx.AsyncClient, call: dict[str, Any], dispatch: dict, servers: dict,
+    async def _tool_message(self, http: httpx.AsyncClient, call: dict[str, Any], mcp: _LazyTools,
                             headers: dict[str, str], gate_url: str | None) -> dict[str, Any]:
         """The `tool` message answering `call`: its result, or an error the model can act on."""
         name = call["function"]["name"]
@@ -119,10 +134,11 @@ class TandemChatHarness(Harness[TandemChatConfig]):
                 raise _Stopped()
             if verdict["action"] == "deny":
                 return verdict["message"]
-        if name not in dispatch:
-            return {**reply, "content": f"error: there is no tool named {name!r}; the tools are "
-                                        f"{', '.join(sorted(dispatch)) or 'none'}"}
         try:
+            dispatch, servers = await mcp.connected()
+            if name not in dispatch:
+                return {**reply, "content": f"error: there is no tool named {name!r}; the tools are "
+                                            f"{', '.join(sorted(dispatch)) or 'none'}"}
             content = await call_mcp(servers, dispatch, name, arguments)
         except Exception as exc:  # noqa: BLE001 - a failing tool is an answer the model reads
             content = f"error: the tool failed: {type(exc).__name__}: {exc}"
@@ -131,3 +147,25 @@ class TandemChatHarness(Harness[TandemChatConfig]):
 
 class _ModelCallFailed(Exception):
     pass
+
+
+TOOL_LISTS_KEPT = 64
+
+
+def _servers_config(mcp_urls: dict[str, str], timeout: float) -> dict[str, Any]:
+    return {"mcpServers": {name: {"url": url, "timeout": timeout} for name, url in mcp_urls.items()}}
+
+
+class _LazyTools:
+    """MCP connections of one segment, opened at its first tool call (most turns make none)."""
+
+    def __init__(self, mcp_urls: dict[str, str], timeout: float, stack: AsyncExitStack):
+        self._config = _servers_config(mcp_urls, timeout)
+        self._stack = stack
+        self._connected: tuple[dict, dict] | None = None
+
+    async def connected(self) -> tuple[dict, dict]:
+        if self._connected is None:
+            _, dispatch, servers = await connect_mcp(self._config, self._stack)
+            self._connected = (dispatch, servers)
+        return self._connected
