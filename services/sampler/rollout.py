@@ -214,6 +214,10 @@ class Rollouts:
         """Where the served model's files are (`root` of /v1/models: the path the server loaded)."""
         return (await self._served_model()).get("root")
 
+    async def served_model(self) -> dict[str, Any]:
+        """The servers' model card (the first entry of /v1/models), read once."""
+        return dict(await self._served_model())
+
     async def aclose(self) -> None:
         """Stop what the environment holds open (a verifiers env's tool servers)."""
         close = getattr(self.env, "aclose", None)

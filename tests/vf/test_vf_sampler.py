@@ -210,3 +210,19 @@ async def test_a_weight_sync_in_the_middle_of_episodes_shows_in_their_versions(m
                    == 2 for s in straddling)
     finally:
         slow.stop()
+
+
+async def test_a_full_context_ends_the_episode_with_finish_reason_length(make_sampler, tiny_model):
+    # 160 tokens of context: the dialogue's prompt and a few turns of 8 fill it well before 40 turns.
+    with running_server(tiny_model, served_model_name="tiny", max_model_len=160) as small:
+        sampler = make_sampler(env="verifiers:tandem-vf-dialogue", env_args='{"turns": 40}',
+                               inference_urls=[root(small)], prompts_per_step=1, num_generations=2, max_tokens=8)
+        samples = await batch(sampler)
+        counts = (await status(sampler))["environments"]["verifiers:tandem-vf-dialogue"]
+        async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
+            card = (await http.get("/v1/models")).json()["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] == 160
+    for s in samples:
+        assert s.finish_reason == "length"
+        assert len(s.prompt_token_ids) + len(s.completion_token_ids) <= 160
+    assert counts["env_errors"] == 0 and counts["groups_dropped"] == 0

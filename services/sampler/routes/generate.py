@@ -10,6 +10,10 @@ vLLM's shape, with each logprob entry also carrying the `token: "token_id:N"` st
 `renderers` package checks, and never a -9999.0 sentinel (completions.parse_generate).
 
 Not streamed (`stream: true` is a 400): the trajectory needs the whole answer anyway.
+
+GET /v1/models answers the served model's card (`id`, `max_model_len`, `root`) from the first
+server, so a client can check a prompt's length before sending it (the `renderers` client
+does: an overlong prompt then never reaches a server).
 """
 
 from __future__ import annotations
@@ -53,6 +57,15 @@ def _check(body: Any) -> str | None:
     return None
 
 
+@router.get("/v1/models")
+async def models(state: State) -> Any:
+    try:
+        card = await state.rollouts.served_model()
+    except (InferenceRequestError, InferenceUnavailable) as exc:
+        return _error(503, str(exc), kind="ServiceUnavailableError")
+    return {"object": "list", "data": [card]}
+
+
 @router.post("/inference/v1/generate")
 async def generate(request: Request, state: State) -> Any:
     try:
@@ -74,6 +87,14 @@ async def generate(request: Request, state: State) -> Any:
         sampling.setdefault("seed", derive_seed(session.seed, session.label, session_id, len(session.calls)))
         min_version = session.min_version
     sampling.setdefault("logprobs", 0)
+    # As for the sampler's own turns: max_tokens is cut to the room the context has left.
+    context = await rollouts.context_length()
+    if context is not None:
+        room = context - len(body["token_ids"])
+        if room <= 0:
+            return _error(400, f"the prompt ({len(body['token_ids'])} tokens) leaves no room in the model's maximum "
+                               f"context length ({context} tokens)")
+        sampling["max_tokens"] = min(int(sampling.get("max_tokens") or room), room)
     forward = {**body, "sampling_params": sampling, "model": body.get("model") or await rollouts.model()}
     try:
         (answer, versions, masked), _ = await state.pool.post(

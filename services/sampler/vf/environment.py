@@ -79,6 +79,16 @@ def absolute_pythonpath() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in entries.split(os.pathsep))
 
 
+def fresh_renderers_lock() -> None:
+    """`renderers` (0.1.12) guards its context-length lookup with one module-level asyncio.Lock,
+    which binds to the first event loop that waits on it: a second sampler app in the same
+    process (tests start one after another) would then fail every model call with "bound to a
+    different event loop". A fresh lock for the loop that starts serving now."""
+    import renderers.client
+
+    renderers.client._max_prompt_len_lock = asyncio.Lock()
+
+
 class VerifiersEnvironment(Environment):
     def __init__(self, taskset_id: str, **env_args: Any):
         self.vf = import_verifiers()
@@ -173,6 +183,7 @@ class VerifiersEnvironment(Environment):
         async with self._lock:
             held = self._servers.get(id(env))
             if held is None:
+                fresh_renderers_lock()
                 stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
                 task = asyncio.create_task(self._hold(env, stop, ready), name=f"verifiers {self.name} serving")
                 held = self._servers[id(env)] = (task, stop, ready)

@@ -26,6 +26,7 @@ from verifiers.v1.clients import ModelContext
 from verifiers.v1.configs.harness import HarnessConfig
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harness import Harness
+from verifiers.v1.harnesses.utils.compaction import CONTEXT_OVERFLOW_MARKERS
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 from verifiers.v1.runtimes import ProgramResult, Runtime
 from verifiers.v1.task import TaskData
@@ -107,6 +108,10 @@ class TandemChatHarness(Harness[TandemChatConfig]):
             body["tools"] = tools
         response = await http.post(f"{endpoint.rstrip('/')}/chat/completions", json=body, headers=headers)
         if response.status_code == 400 and "rollout stopped" in response.text:
+            raise _Stopped()
+        if response.status_code in (400, 413) and any(m in response.text.casefold() for m in CONTEXT_OVERFLOW_MARKERS):
+            # The context is full: the conversation ends here, as a budget, not a failure (the
+            # sample's finish_reason says "length", vf/traces.py).
             raise _Stopped()
         if response.status_code >= 400:
             raise _ModelCallFailed(f"model call answered {response.status_code}: {response.text[:500]}")

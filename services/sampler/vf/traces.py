@@ -17,6 +17,9 @@ logprobs, its reward, its metrics.
   `loss_mask` 1 on sampled tokens only (and 0 on a sampled token the server gave no
   logprob for, vf/sessions.py). Logprobs are the sampled ones, 0.0 elsewhere.
 * **Versions.** Those of the model calls whose prompt and answer this branch contains.
+* **finish_reason.** The last model call's, or "length" when the last call was refused and
+  the harness ended there (the context was full: `tandem-chat` ends a conversation so, as
+  verifiers' own chat loop does without compaction).
 * **Reward.** `trace.reward` (the weighted sum of `@vf.reward`s); `rewards` by name, raw
   scores; `@vf.metric`s go to the sample's `metrics` (the rollout log keeps them).
 """
@@ -80,6 +83,8 @@ def completion_of(trace: Any, session: Session | None, min_version: int) -> tupl
         finish = call.finish_reason if call.finish_reason in ("stop", "length") else "stop"
         for position in call.masked:
             loss_mask[len(call.prompt_ids) + position - first] = 0
+    if trace.calls and trace.calls[-1].error is not None:
+        finish = "length"  # its last model call was refused and the harness ended there: the context was full
     parts = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
     metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None}
     completion = Completion(
