@@ -87,16 +87,16 @@ async def generate(request: Request, state: State) -> Any:
         sampling.setdefault("seed", derive_seed(session.seed, session.label, session_id, len(session.calls)))
         min_version = session.min_version
     sampling.setdefault("logprobs", 0)
-    # As for the sampler's own turns: max_tokens is cut to the room the context has left.
-    context = await rollouts.context_length()
-    if context is not None:
-        room = context - len(body["token_ids"])
-        if room <= 0:
-            return _error(400, f"the prompt ({len(body['token_ids'])} tokens) leaves no room in the model's maximum "
-                               f"context length ({context} tokens)")
-        sampling["max_tokens"] = min(int(sampling.get("max_tokens") or room), room)
-    forward = {**body, "sampling_params": sampling, "model": body.get("model") or await rollouts.model()}
     try:
+        # As for the sampler's own turns: max_tokens is cut to the room the context has left.
+        context = await rollouts.context_length()
+        if context is not None:
+            room = context - len(body["token_ids"])
+            if room <= 0:
+                return _error(400, f"the prompt ({len(body['token_ids'])} tokens) leaves no room in the model's "
+                                   f"maximum context length ({context} tokens)")
+            sampling["max_tokens"] = min(int(sampling.get("max_tokens") or room), room)
+        forward = {**body, "sampling_params": sampling, "model": body.get("model") or await rollouts.model()}
         (answer, versions, masked), _ = await state.pool.post(
             "/inference/v1/generate", forward, min_version=min_version, parse=parse_generate, session=session_id)
     except InferenceRequestError as exc:
