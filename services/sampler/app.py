@@ -110,7 +110,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         # verifiers environments call back into this sampler's own POST /inference/v1/generate.
         sessions = Sessions()
         vf_link = VerifiersLink(base_url=settings.self_url, sessions=sessions, tokenizer=settings.vf_tokenizer,
-                                renderer=settings.vf_renderer, request_timeout=settings.request_timeout)
+                                renderer=settings.vf_renderer, request_timeout=settings.request_timeout,
+                                api_token=settings.api_token)
         made: list[Rollouts] = []
 
         def make_rollouts(environment: Environment) -> Rollouts:

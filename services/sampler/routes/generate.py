@@ -9,7 +9,9 @@ every token, written down for the trajectory's sample (vf/sessions.py). The answ
 vLLM's shape, with each logprob entry also carrying the `token: "token_id:N"` string the
 `renderers` package checks, and never a -9999.0 sentinel (completions.parse_generate).
 
-Not streamed (`stream: true` is a 400): the trajectory needs the whole answer anyway.
+Not streamed (`stream: true` is a 400): the trajectory needs the whole answer anyway. It costs
+compute, so with `api_token` set it takes the token like every mutating endpoint (the
+verifiers environments of this sampler send it).
 
 GET /v1/models answers the served model's card (`id`, `max_model_len`, `root`) from the first
 server, so a client can check a prompt's length before sending it (the `renderers` client
@@ -22,9 +24,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from services.sampler.completions import parse_generate
-from services.sampler.deps import State
+from services.sampler.deps import Authorized, State
 from services.sampler.inference_pool import InferenceRequestError, InferenceUnavailable
 from services.sampler.rollout import derive_seed
 from services.sampler.vf.sessions import Call
@@ -66,12 +69,15 @@ async def models(state: State) -> Any:
     return {"object": "list", "data": [card]}
 
 
-@router.post("/inference/v1/generate")
+@router.post("/inference/v1/generate", dependencies=[Authorized])
 async def generate(request: Request, state: State) -> Any:
     try:
         body = await request.json()
     except ValueError:
         return _error(400, "the body is not valid JSON")
+    except ClientDisconnect:
+        # The body-size guard answered 413 and cut the body off (guards.py); nothing to add.
+        return _error(413, "request body too large")
     problem = _check(body)
     if problem is not None:
         return _error(400, problem)

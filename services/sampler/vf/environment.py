@@ -58,6 +58,7 @@ class VerifiersLink:
     base_url: str
     sessions: Sessions
     tokenizer: str | None = None  # None: the served model's path (/v1/models `root`)
+    api_token: str | None = None  # the sampler's, for its POST /inference/v1/generate
     renderer: str = "tandem"      # "tandem", a `renderers` name ("auto", "qwen3", ...), or "custom:<import path>"
     request_timeout: float = 600.0
 
@@ -169,9 +170,12 @@ class VerifiersEnvironment(Environment):
     async def _context(self, rollouts: Rollouts, link: VerifiersLink, sampling: dict[str, Any]) -> Any:
         vf = self.vf
         tokenizer = link.tokenizer or await rollouts.model_root()
+        # The token as a header of the client's own (it overrides the API-key header the OpenAI
+        # SDK writes), not through an environment variable of this process.
+        headers = {"Authorization": f"Bearer {link.api_token}"} if link.api_token else {}
         client = vf.TrainClientConfig(
             base_url=f"{link.base_url}/v1", api_key_var="TANDEM_SAMPLER_TOKEN", renderer=renderer_config(link.renderer),
-            renderer_model_name=tokenizer, timeout={"read": link.request_timeout + 60})
+            renderer_model_name=tokenizer, timeout={"read": link.request_timeout + 60}, headers=headers)
         return vf.ModelContext(
             model=await rollouts.model(), client=client,
             sampling=vf.SamplingConfig(max_tokens=sampling.get("max_tokens"),
