@@ -53,6 +53,11 @@ class TandemChatHarness(Harness[TandemChatConfig]):
     EXECUTES_CODE = False          # it runs no code; tools are the task's servers
     NEEDS_CONTAINER = False
 
+    def __init__(self, config: TandemChatConfig) -> None:
+        super().__init__(config)
+        # MCP server set -> its tools as chat `tools` (_tool_schemas); the oldest go first.
+        self._tools_by_servers: dict[tuple, list[dict[str, Any]]] = {}
+
     async def launch(self, ctx: ModelContext, trace: Trace, runtime: Runtime, endpoint: str, secret: str,
                      mcp_urls: dict[str, str], data: TaskData,
                      tool_interception_url: str | None = None) -> ProgramResult:
@@ -92,7 +97,7 @@ class TandemChatHarness(Harness[TandemChatConfig]):
         if not mcp_urls:
             return []
         key = tuple(sorted(mcp_urls.items()))
-        cache: dict[tuple, list[dict[str, Any]]] = self.__dict__.setdefault("_tools_by_servers", {})
+        cache = self._tools_by_servers
         if key not in cache:
             async with AsyncExitStack() as stack:
                 tools, _, _ = await connect_mcp(_servers_config(mcp_urls, self.config.tool_timeout), stack)
