@@ -213,6 +213,12 @@ class VerifiersEnvironment(Environment):
             raise
 
     async def aclose(self) -> None:
+        for env in self._envs.values():
+            # The harnesses' shared clients (`Env._harnesses`: verifiers keeps no public list).
+            for harness in getattr(env, "_harnesses", {}).values():
+                close = getattr(harness, "aclose", None)
+                if close is not None:
+                    await close()
         for task, stop, _ in self._servers.values():
             stop.set()
             try:

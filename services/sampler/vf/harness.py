@@ -17,6 +17,7 @@ whole either way, so streaming would only add framing. Registered with verifiers
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import AsyncExitStack
 from typing import Any
@@ -57,6 +58,24 @@ class TandemChatHarness(Harness[TandemChatConfig]):
         super().__init__(config)
         # MCP server set -> its tools as chat `tools` (_tool_schemas); the oldest go first.
         self._tools_by_servers: dict[tuple, list[dict[str, Any]]] = {}
+        # One HTTP client per event loop for every rollout's model calls: its connections to the
+        # interception server stay open between turns, and a client is built once (building one
+        # makes an SSL context, ~1-60 ms of the event loop, and a turn would pay it).
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None or client.is_closed:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            client = self._clients[loop] = httpx.AsyncClient(timeout=self.config.request_timeout, limits=limits)
+        return client
+
+    async def aclose(self) -> None:
+        """Close the clients of the running loop (the sampler's shutdown, vf/environment.py)."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
 
     async def launch(self, ctx: ModelContext, trace: Trace, runtime: Runtime, endpoint: str, secret: str,
                      mcp_urls: dict[str, str], data: TaskData,
@@ -71,10 +90,7 @@ class TandemChatHarness(Harness[TandemChatConfig]):
         async with AsyncExitStack() as stack:
             tools = await self._tool_schemas(mcp_urls)
             mcp = _LazyTools(mcp_urls, self.config.tool_timeout, stack)
-            # No TLS to set up for the rollout's own (local) endpoint: a default client loads the
-            # CA bundle, ~60 ms of the event loop's time per segment.
-            http = await stack.enter_async_context(httpx.AsyncClient(
-                timeout=self.config.request_timeout, verify=not endpoint.startswith("http://")))
+            http = self._client()
             try:
                 while True:
                     message = await self._complete(http, endpoint, headers, ctx.model, messages, tools)
