@@ -226,3 +226,14 @@ async def test_a_full_context_ends_the_episode_with_finish_reason_length(make_sa
         assert s.finish_reason == "length"
         assert len(s.prompt_token_ids) + len(s.completion_token_ids) <= 160
     assert counts["env_errors"] == 0 and counts["groups_dropped"] == 0
+
+
+async def test_an_empty_answer_is_a_sample_not_a_fault(make_sampler, standin, byte_tokenizer):
+    httpx.post(standin.url + "/_standin/configure", json={"replies": [""]}).raise_for_status()
+    sampler = make_sampler(env="verifiers:tandem-vf-parity", vf_tokenizer=str(byte_tokenizer), prompts_per_step=1,
+                           num_generations=2, max_tokens=8)
+    samples = await batch(sampler)
+    assert [s.completion_token_ids for s in samples] == [[], []] and all(s.reward == 0.0 for s in samples)
+    assert all(bytes(s.prompt_token_ids).decode().endswith("<|im_start|>assistant\n") for s in samples)
+    counts = (await status(sampler))["environments"]["verifiers:tandem-vf-parity"]
+    assert counts["env_errors"] == 0 and counts["trajectories"] >= 2

@@ -213,12 +213,9 @@ class VerifiersEnvironment(Environment):
             raise
 
     async def aclose(self) -> None:
-        for env in self._envs.values():
-            # The harnesses' shared clients (`Env._harnesses`: verifiers keeps no public list).
-            for harness in getattr(env, "_harnesses", {}).values():
-                close = getattr(harness, "aclose", None)
-                if close is not None:
-                    await close()
+        from services.sampler.vf.harness import TandemChatHarness
+
+        await TandemChatHarness.close_clients()
         for task, stop, _ in self._servers.values():
             stop.set()
             try:

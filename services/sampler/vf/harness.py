@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 from verifiers.v1.clients import ModelContext
@@ -54,26 +55,31 @@ class TandemChatHarness(Harness[TandemChatConfig]):
     EXECUTES_CODE = False          # it runs no code; tools are the task's servers
     NEEDS_CONTAINER = False
 
-    def __init__(self, config: TandemChatConfig) -> None:
-        super().__init__(config)
-        # MCP server set -> its tools as chat `tools` (_tool_schemas); the oldest go first.
-        self._tools_by_servers: dict[tuple, list[dict[str, Any]]] = {}
-        # One HTTP client per event loop for every rollout's model calls: its connections to the
-        # interception server stay open between turns, and a client is built once (building one
-        # makes an SSL context, ~1-60 ms of the event loop, and a turn would pay it).
-        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+    # Shared by every instance: verifiers builds a new agent, and so a new harness object, for
+    # every episode, so anything kept on `self` would last one episode.
+    # MCP server set -> its tools as chat `tools` (_tool_schemas); the oldest go first.
+    _tools_by_servers: ClassVar[dict[tuple, list[dict[str, Any]]]] = {}
+    # One HTTP client per event loop for every rollout's model calls: its connections to the
+    # interception server stay open between turns, and a client is built once (building one
+    # makes an SSL context, and loads the CA bundle unless told not to: ~1-60 ms of the event
+    # loop, which a turn would pay).
+    _clients: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]] = \
+        weakref.WeakKeyDictionary()
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self, endpoint: str) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None or client.is_closed:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            client = self._clients[loop] = httpx.AsyncClient(timeout=self.config.request_timeout, limits=limits)
+            # The rollout's endpoint is the interception server on this machine: plain HTTP.
+            client = self._clients[loop] = httpx.AsyncClient(
+                timeout=self.config.request_timeout, limits=limits, verify=not endpoint.startswith("http://"))
         return client
 
-    async def aclose(self) -> None:
-        """Close the clients of the running loop (the sampler's shutdown, vf/environment.py)."""
-        client = self._clients.pop(asyncio.get_running_loop(), None)
+    @classmethod
+    async def close_clients(cls) -> None:
+        """Close the running loop's client (the sampler's shutdown, vf/environment.py)."""
+        client = cls._clients.pop(asyncio.get_running_loop(), None)
         if client is not None:
             await client.aclose()
 
@@ -90,7 +96,7 @@ class TandemChatHarness(Harness[TandemChatConfig]):
         async with AsyncExitStack() as stack:
             tools = await self._tool_schemas(mcp_urls)
             mcp = _LazyTools(mcp_urls, self.config.tool_timeout, stack)
-            http = self._client()
+            http = self._client(endpoint)
             try:
                 while True:
                     message = await self._complete(http, endpoint, headers, ctx.model, messages, tools)

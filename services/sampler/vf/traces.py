@@ -12,8 +12,9 @@ logprobs, its reward, its metrics.
   holds the trace's last model turn, the conversation as it ended; the other branches are
   counted (`forks`, GET /status and the dashboard) and not trained on. Tandem's renderer
   (vf/renderer.py) carries sampled tokens verbatim, so our models never fork.
-* **Masks and logprobs.** The prompt is everything before the first sampled token; the
-  completion is the rest, model turns and the environment's turns between them, with
+* **Masks and logprobs.** The prompt is everything up to the end of the first model turn's
+  generation prompt (its first sampled token; a turn may come back empty); the completion is
+  the rest, model turns and the environment's turns between them, with
   `loss_mask` 1 on sampled tokens only (and 0 on a sampled token the server gave no
   logprob for, vf/sessions.py). Logprobs are the sampled ones, 0.0 elsewhere.
 * **Versions.** Those of the model calls whose prompt and answer this branch contains.
@@ -65,13 +66,24 @@ def final_branch(trace: Any) -> tuple[Any, int]:
     raise EnvFault("the verifiers trace's last model turn is on no branch")  # a graph verifiers would not build
 
 
+def completion_start(branch: Any) -> int:
+    """Where the completion starts: after the generation prompt of the branch's first model turn
+    (its first sampled token, if that turn sampled any: a turn may also come back empty)."""
+    start = 0
+    for node in branch.nodes:
+        if node.sampled:
+            return start + len(node.mask) - sum(node.mask)
+        start += len(node.token_ids)
+    raise EnvFault("the verifiers trace has no model turn")
+
+
 def completion_of(trace: Any, session: Session | None, min_version: int) -> tuple[Completion, Scored, int]:
     """(the sample's completion, its score, forks) of a finished trainable trace."""
     branch, forks = final_branch(trace)
     ids = branch.token_ids
     mask = branch.sampled_mask
     logprobs = branch.logprobs
-    first = mask.index(True)
+    first = completion_start(branch)
     loss_mask = [int(m) for m in mask[first:]]
     versions: set[int] = set()
     finish = "stop"
