@@ -23,7 +23,7 @@ import weakref
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar
 
-import httpx
+import aiohttp
 from verifiers.v1.clients import ModelContext
 from verifiers.v1.configs.harness import HarnessConfig
 from verifiers.v1.dialects.chat import message_to_wire
@@ -59,21 +59,20 @@ class TandemChatHarness(Harness[TandemChatConfig]):
     # every episode, so anything kept on `self` would last one episode.
     # MCP server set -> its tools as chat `tools` (_tool_schemas); the oldest go first.
     _tools_by_servers: ClassVar[dict[tuple, list[dict[str, Any]]]] = {}
-    # One HTTP client per event loop for every rollout's model calls: its connections to the
-    # interception server stay open between turns, and a client is built once (building one
-    # makes an SSL context, and loads the CA bundle unless told not to: ~1-60 ms of the event
-    # loop, which a turn would pay).
-    _clients: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]] = \
+    # One HTTP session per event loop for every rollout's model calls: its connections to the
+    # interception server stay open between turns, and it is built once. aiohttp, not httpx:
+    # httpx's pool checks every idle connection at each request, which with a connection per
+    # rollout in flight cost more than the requests (make bench verifiers).
+    _clients: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession]] = \
         weakref.WeakKeyDictionary()
 
-    def _client(self, endpoint: str) -> httpx.AsyncClient:
+    def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
-        if client is None or client.is_closed:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            # The rollout's endpoint is the interception server on this machine: plain HTTP.
-            client = self._clients[loop] = httpx.AsyncClient(
-                timeout=self.config.request_timeout, limits=limits, verify=not endpoint.startswith("http://"))
+        if client is None or client.closed:
+            client = self._clients[loop] = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.request_timeout),
+                connector=aiohttp.TCPConnector(limit=0))
         return client
 
     @classmethod
@@ -81,7 +80,7 @@ class TandemChatHarness(Harness[TandemChatConfig]):
         """Close the running loop's client (the sampler's shutdown, vf/environment.py)."""
         client = cls._clients.pop(asyncio.get_running_loop(), None)
         if client is not None:
-            await client.aclose()
+            await client.close()
 
     async def launch(self, ctx: ModelContext, trace: Trace, runtime: Runtime, endpoint: str, secret: str,
                      mcp_urls: dict[str, str], data: TaskData,
@@ -96,7 +95,7 @@ class TandemChatHarness(Harness[TandemChatConfig]):
         async with AsyncExitStack() as stack:
             tools = await self._tool_schemas(mcp_urls)
             mcp = _LazyTools(mcp_urls, self.config.tool_timeout, stack)
-            http = self._client(endpoint)
+            http = self._client()
             try:
                 while True:
                     message = await self._complete(http, endpoint, headers, ctx.model, messages, tools)
@@ -128,24 +127,25 @@ class TandemChatHarness(Harness[TandemChatConfig]):
             cache[key] = tools
         return cache[key]
 
-    async def _complete(self, http: httpx.AsyncClient, endpoint: str, headers: dict[str, str], model: str,
+    async def _complete(self, http: aiohttp.ClientSession, endpoint: str, headers: dict[str, str], model: str,
                         messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "messages": messages}
         if tools:
             body["tools"] = tools
-        response = await http.post(f"{endpoint.rstrip('/')}/chat/completions", json=body, headers=headers)
-        if response.status_code == 400 and "rollout stopped" in response.text:
+        async with http.post(f"{endpoint.rstrip('/')}/chat/completions", json=body, headers=headers) as response:
+            status, text = response.status, await response.text()
+        if status == 400 and "rollout stopped" in text:
             raise _Stopped()
-        if response.status_code in (400, 413) and any(m in response.text.casefold() for m in CONTEXT_OVERFLOW_MARKERS):
+        if status in (400, 413) and any(m in text.casefold() for m in CONTEXT_OVERFLOW_MARKERS):
             # The context is full: the conversation ends here, as a budget, not a failure (the
             # sample's finish_reason says "length", vf/traces.py).
             raise _Stopped()
-        if response.status_code >= 400:
-            raise _ModelCallFailed(f"model call answered {response.status_code}: {response.text[:500]}")
-        message = response.json()["choices"][0]["message"]
+        if status >= 400:
+            raise _ModelCallFailed(f"model call answered {status}: {text[:500]}")
+        message = json.loads(text)["choices"][0]["message"]
         return {k: v for k, v in message.items() if v is not None}
 
-    async def _tool_message(self, http: httpx.AsyncClient, call: dict[str, Any], mcp: _LazyTools,
+    async def _tool_message(self, http: aiohttp.ClientSession, call: dict[str, Any], mcp: _LazyTools,
                             headers: dict[str, str], gate_url: str | None) -> dict[str, Any]:
         """The `tool` message answering `call`: its result, or an error the model can act on."""
         name = call["function"]["name"]
@@ -158,10 +158,9 @@ class TandemChatHarness(Harness[TandemChatConfig]):
             return {**reply, "content": "error: the arguments must be a JSON object"}
         if gate_url:
             # The rollout's tool gate: a request hook may deny the call and give its result.
-            decision = await http.post(gate_url, headers=headers,
-                                       json={"tool_call_id": call.get("id"), "name": name, "arguments": arguments})
-            decision.raise_for_status()
-            verdict = decision.json()
+            async with http.post(gate_url, headers=headers, raise_for_status=True,
+                                 json={"tool_call_id": call.get("id"), "name": name, "arguments": arguments}) as decision:
+                verdict = await decision.json()
             if verdict["action"] == "stop":
                 raise _Stopped()
             if verdict["action"] == "deny":
