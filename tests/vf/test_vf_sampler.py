@@ -192,9 +192,11 @@ async def test_a_weight_sync_in_the_middle_of_episodes_shows_in_their_versions(m
     from tests.support.servers import start_standin
 
     slow = start_standin(token_latency=0.03)  # ~0.25 s a turn: episodes are in flight when the sync comes
+    sampler = None
     try:
         sampler = make_sampler(env="verifiers:tandem-vf-dialogue", env_args='{"turns": 3}', max_tokens=8,
-                               inference_urls=[slow.url], max_staleness=1, vf_tokenizer=str(byte_tokenizer))
+                               inference_urls=[slow.url], max_staleness=1, vf_tokenizer=str(byte_tokenizer),
+                               drain_deadline=0)  # at the end, batches still in flight need not seal
         async with httpx.AsyncClient(base_url=sampler.url, timeout=60) as http:
             while not (await http.get("/status")).json()["steps"]["in_progress"]:
                 await asyncio.sleep(0.02)
@@ -209,6 +211,8 @@ async def test_a_weight_sync_in_the_middle_of_episodes_shows_in_their_versions(m
         assert all(bytes(s["prompt_token_ids"] + s["completion_token_ids"]).decode().count("<|im_start|>user\nagain")
                    == 2 for s in straddling)
     finally:
+        if sampler is not None:
+            sampler.stop()  # first: stopped after its server, its episodes in flight would retry to no end
         slow.stop()
 
 
