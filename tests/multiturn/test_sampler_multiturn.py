@@ -28,7 +28,9 @@ async def test_multi_turn_batches_seal_with_one_sample_per_trajectory(make_sampl
         assert text.count("<|im_start|>user\nnext ") == 2  # two environment turns between three model turns
         assert sum(sample.loss_mask) <= 12 and sample.reward == 3.0
     counts = status["environments"]["echo_dialogue"]
-    assert counts["trajectories"] >= 16 and counts["turns"] == 3 * counts["trajectories"]
+    # Turns are counted as they happen, trajectories when they end: the next batch's trajectories
+    # may be mid-conversation when /status answers (== failed now and then for that reason).
+    assert counts["trajectories"] >= 16 and counts["turns"] >= 3 * counts["trajectories"]
     assert status["env_workers"]["size"] == 4
 
 
