@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from shared.wire import Sample
+from tests.support.driver import publish_mid_batch
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -107,14 +108,7 @@ async def test_a_weight_sync_in_the_middle_of_conversations_shows_in_their_versi
         sampler = make_sampler(env="tests.support.envs:EchoDialogue", env_args='{"max_turns": 3}', max_tokens=8,
                                inference_urls=[slow.url], max_staleness=1)
         async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
-            while not (await http.get("/status")).json()["steps"]["in_progress"]:
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.4)  # batches 0 and 1 (both allowed on version 0) are mid-conversation now
-            assert (await http.post("/weights_version", json={"version": 1})).status_code == 200
-            batch = (await http.get("/batch", params={"step": 0, "timeout": 30})).json()
-        straddling = [s for s in batch["samples"] if s["versions"] == [0, 1]]
-        assert straddling, [s["versions"] for s in batch["samples"]]
-        assert all(s["policy_version"] == 0 for s in straddling)  # the oldest version that sampled a token
+            straddling = await publish_mid_batch(http, settle=0.4, timeout=30)
         assert all(len(bytes(s["completion_token_ids"]).decode().split("<|im_start|>user\n")) == 3 for s in straddling)
     finally:
         slow.stop()

@@ -26,3 +26,18 @@ async def drive(url: str, steps: int, *, checkpoint: str | None = None, train_se
             published = await http.post("/weights_version", json={"version": step + 1, "checkpoint_path": checkpoint})
             assert published.status_code == 200, published.text
     return batches
+
+
+async def publish_mid_batch(http: httpx.AsyncClient, settle: float, timeout: float) -> list[dict[str, Any]]:
+    """Publish version 1 `settle` seconds after the sampler starts building (batches 0 and 1, both
+    allowed on version 0, are then mid-trajectory), then take batch 0: its samples, and those of
+    them sampled by both versions (`versions` [0, 1], `policy_version` 0: the oldest)."""
+    while not (await http.get("/status")).json()["steps"]["in_progress"]:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(settle)
+    assert (await http.post("/weights_version", json={"version": 1})).status_code == 200
+    samples = (await http.get("/batch", params={"step": 0, "timeout": timeout})).json()["samples"]
+    straddling = [s for s in samples if s["versions"] == [0, 1]]
+    assert straddling, [s["versions"] for s in samples]
+    assert all(s["policy_version"] == 0 for s in straddling)
+    return straddling

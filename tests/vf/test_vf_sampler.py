@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from services.inference.testing import running_server
 from shared.toolcalls import format_tool_call
 from shared.wire import Sample
+from tests.support.driver import publish_mid_batch
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -198,14 +199,7 @@ async def test_a_weight_sync_in_the_middle_of_episodes_shows_in_their_versions(m
                                inference_urls=[slow.url], max_staleness=1, vf_tokenizer=str(byte_tokenizer),
                                drain_deadline=0)  # at the end, batches still in flight need not seal
         async with httpx.AsyncClient(base_url=sampler.url, timeout=60) as http:
-            while not (await http.get("/status")).json()["steps"]["in_progress"]:
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.6)  # batches 0 and 1 (both allowed on version 0) are mid-episode now
-            assert (await http.post("/weights_version", json={"version": 1})).status_code == 200
-            body = (await http.get("/batch", params={"step": 0, "timeout": 60})).json()
-        straddling = [s for s in body["samples"] if s["versions"] == [0, 1]]
-        assert straddling, [s["versions"] for s in body["samples"]]
-        assert all(s["policy_version"] == 0 for s in straddling)  # the oldest version that sampled a token
+            straddling = await publish_mid_batch(http, settle=0.6, timeout=60)
         # Three model turns each (the stand-in may answer a turn with no token at all: then the
         # first sampled token, where the completion starts, is in a later turn).
         assert all(bytes(s["prompt_token_ids"] + s["completion_token_ids"]).decode().count("<|im_start|>user\nagain")
