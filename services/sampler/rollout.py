@@ -210,12 +210,9 @@ class Rollouts:
             self.model_name = (await self._served_model())["id"]
         return self.model_name
 
-    async def model_root(self) -> str | None:
-        """Where the served model's files are (`root` of /v1/models: the path the server loaded)."""
-        return (await self._served_model()).get("root")
-
     async def served_model(self) -> dict[str, Any]:
-        """The servers' model card (the first entry of /v1/models), read once."""
+        """The servers' model card (the first entry of /v1/models: `id`, `max_model_len`, and
+        `root`, the path the server loaded), read once."""
         return dict(await self._served_model())
 
     async def aclose(self) -> None:

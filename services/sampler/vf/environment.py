@@ -169,7 +169,7 @@ class VerifiersEnvironment(Environment):
 
     async def _context(self, rollouts: Rollouts, link: VerifiersLink, sampling: dict[str, Any]) -> Any:
         vf = self.vf
-        tokenizer = link.tokenizer or await rollouts.model_root()
+        tokenizer = link.tokenizer or (await rollouts.served_model()).get("root")
         # The token as a header of the client's own (it overrides the API-key header the OpenAI
         # SDK writes), not through an environment variable of this process.
         headers = {"Authorization": f"Bearer {link.api_token}"} if link.api_token else {}
