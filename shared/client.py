@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from shared import codec
+from shared.chunks import FRAMES, BatchArrays, alloc, decode_frame
 from shared.http_client import HttpClient, Reply, TransportError
 from shared.waiting import REPORT_EVERY, Retrying, describe_status
 from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
@@ -66,6 +67,10 @@ class SamplerUnavailable(SamplerError):
     """The sampler could not be reached (or kept failing) for longer than `retry_for` seconds."""
 
 
+def is_frames(content_type: str | None) -> bool:
+    return bool(content_type) and content_type.split(";")[0].strip().lower() == FRAMES
+
+
 def _detail(response: Reply) -> Any:
     try:
         body = response.json()
@@ -74,16 +79,20 @@ def _detail(response: Reply) -> Any:
     return body.get("detail", body) if isinstance(body, dict) else body
 
 
-# How batches travel: "arrays" (msgpack with typed token arrays, decoded to numpy arrays
-# without a per-number cost; the default), "msgpack" or "json" (every number a Python number).
-_ENCODINGS = {"arrays": codec.ARRAYS, "msgpack": codec.MSGPACK, "json": codec.JSON}
+# How batches travel: "frames" (the stored chunks as they are, shared/chunks.py: received
+# into one buffer and decoded to numpy views of it; the default), "arrays" (msgpack with
+# typed token arrays, transcoded by the sampler), "msgpack" or "json" (every number a Python
+# number). "frames" also accepts the arrays form, which a sampler older than chunks answers.
+_ENCODINGS = {"frames": f"{FRAMES}, {codec.ARRAYS};q=0.9", "arrays": codec.ARRAYS, "msgpack": codec.MSGPACK,
+              "json": codec.JSON}
 
 
 class SamplerClient:
     """`async with SamplerClient("http://127.0.0.1:8100") as client: batch = await client.get_batch(0)`
 
-    With the default `encoding="arrays"` a sample's token ids, logprobs and loss mask are
-    read-only numpy arrays; `encoding="json"` or `"msgpack"` gives lists.
+    With the default `encoding="frames"` (or `"arrays"`) a sample's token ids, logprobs and loss
+    mask are numpy arrays; `encoding="json"` or `"msgpack"` gives lists. `get_batch_arrays`
+    gives the batch in columns (`BatchArrays`), with no Python object per sample or token.
 
     `report_every`: seconds between two log lines about one wait. `retry_for_name` and
     `timeout_name`: how the messages name the bounds (a trainer gives its flags)."""
@@ -95,7 +104,7 @@ class SamplerClient:
         api_token: str | None = None,
         poll_timeout: float = 30.0,
         retry_for: float = 120.0,
-        encoding: str = "arrays",
+        encoding: str = "frames",
         report_every: float = REPORT_EVERY,
         retry_for_name: str = "retry_for",
         timeout_name: str = "timeout",
@@ -181,7 +190,23 @@ class SamplerClient:
     ) -> dict[str, Any]:
         """Like `get_batch`, but returns the decoded body without model validation (faster)."""
         content_type, body = await self.get_batch_body(step, rank, world_size, timeout=timeout)
+        if is_frames(content_type):
+            return decode_frame(body).as_dict()
         return codec.decode(content_type, body)
+
+    async def get_batch_arrays(
+        self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
+    ) -> BatchArrays:
+        """Batch `step` (this rank's share) in columns: numpy views of the received body, made
+        without a Python object per token or per sample (`BatchArrays.samples()` makes dicts,
+        `BatchArrays.column(field)` one array per token field; `torch.from_numpy` shares them)."""
+        if not self.accept.startswith(FRAMES):
+            raise ValueError(f"get_batch_arrays needs encoding='frames', not the client's {self.accept!r}")
+        content_type, body = await self.get_batch_body(step, rank, world_size, timeout=timeout)
+        if not is_frames(content_type):
+            raise SamplerError(f"the sampler at {self.base_url} answered {content_type}, not {FRAMES}: it predates "
+                               "chunked batches; use get_batch or get_batch_raw with it")
+        return decode_frame(body)
 
     async def get_batch_body(
         self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
@@ -201,7 +226,8 @@ class SamplerClient:
             if give_up is not None:
                 poll = min(poll, max(0.0, give_up - time.monotonic()))
             params = {"step": step, "timeout": poll, "rank": rank, "world_size": world_size}
-            response = await self._request("GET", "/batch", what, params=params, headers=headers)
+            response = await self._request("GET", "/batch", what, params=params, headers=headers,
+                                           into=alloc if self.accept.startswith(FRAMES) else None)
             status = response.status_code
             if status == 200:
                 return response.content_type, response.content

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - orjson is a declared dependency
 JSON = "application/json"
 MSGPACK = "application/msgpack"
 ARRAYS = "application/vnd.tandem+msgpack"
+FRAMES = "application/vnd.tandem.batch"  # the chunked batch form, shared/chunks.py
 
 # msgpack ext type code -> numpy dtype of the little-endian array it carries.
 EXT_DTYPES: dict[int, np.dtype] = {
@@ -151,8 +152,11 @@ def loads_json(data: bytes | str) -> Any:
 # --- negotiation -----------------------------------------------------------------------
 
 def negotiate(accept: str | None) -> str:
-    """The media type to answer with for an Accept header: ARRAYS, MSGPACK or JSON."""
+    """The media type to answer with for an Accept header: FRAMES (shared/chunks.py; `GET
+    /batch` only), ARRAYS, MSGPACK or JSON."""
     accept = (accept or "").lower()
+    if FRAMES in accept:
+        return FRAMES
     if ARRAYS in accept:
         return ARRAYS
     if MSGPACK in accept or "application/x-msgpack" in accept:

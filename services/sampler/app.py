@@ -89,7 +89,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         keys = Keys(settings.namespace)
         # Before anything reads or writes the run: refuses a namespace holding another run.
         await run_identity.claim(redis, keys, settings, redis_url)
-        store = Store(redis, keys)
+        store = Store(redis, keys, cache_bytes=settings.batch_cache_bytes)
         notifier = Notifier(redis_url, keys.events, link)
         # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).
         pool = InferencePool([], max_concurrency=settings.max_concurrency,
@@ -140,7 +140,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                              max_oversample=settings.max_oversample, curriculum=curriculum)
         producer = Producer(store=store, notifier=notifier, pool=pool, source=source, strategy=strategy,
                             replay_pool=ReplayPool(redis, keys), env_name=env.name, link=link, drill=drill,
-                            claim_ttl=settings.claim_ttl)
+                            claim_ttl=settings.claim_ttl, chunk_bytes=settings.batch_chunk_bytes)
         fleet = Fleet(pool, store, weight_sync, notifier, initial_urls=settings.inference_urls, owner=producer.owner,
                       check_interval=settings.server_check_interval, check_timeout=settings.server_check_timeout)
         # A restarted Redis may have lost the last writes it acknowledged: write back what this

@@ -100,6 +100,14 @@ class SamplerSettings(TandemSettings):
     )
     api_token: str | None = Field(default=None, description="bearer token for mutating endpoints")
     keep_batches: int = Field(default=8, ge=1, description="sealed batches kept behind the published version")
+    batch_chunk_bytes: int = Field(
+        default=4 << 20, ge=64 << 10, le=256 << 20,
+        description="a sealed batch is stored in chunks of about this many bytes, cut between groups: a "
+        "rank's share is read as whole chunks plus at most part of one at each end")
+    batch_cache_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="recently sealed batches kept in memory (served without a Redis read, written back "
+        "after a Redis restart): the newest always, older ones while they all fit in this many bytes")
     max_poll_timeout: float = Field(default=60.0, gt=0, description="upper bound on ?timeout= of long-polls")
     request_timeout: float = Field(default=600.0, gt=0, description="seconds for one inference request")
     request_retries: int = Field(default=5, ge=0, description="retries of a failed inference request")

@@ -47,8 +47,14 @@ class Keys:
         self.published = self.prefix + "published"
 
     def batch(self, step: int) -> str:
-        """Sealed batch `step`: msgpack bytes, written once (SET NX), never modified."""
+        """Sealed batch `step`'s manifest: a hash of build (id), chunks (count), table (JSON:
+        [samples, bytes] per chunk) and stats (JSON); written once, never modified."""
         return f"{self.prefix}batch:{step}"
+
+    def chunk_prefix(self, step: int, build: str) -> str:
+        """Chunk i of build `build` of batch `step` is this prefix + i (store.py's scripts
+        build the same names)."""
+        return f"{self.prefix}batch:{step}:{build}:"
 
     def claim(self, step: int) -> str:
         """Lease of the sampler replica generating batch `step` (owner id, expires)."""

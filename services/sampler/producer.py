@@ -46,13 +46,16 @@ from typing import Any
 from services.sampler.drill import Drill
 from services.sampler.healing import HealLog
 from services.sampler.inference_pool import OK, InferencePool
+from services.sampler import packing
 from services.sampler.notify import Notifier
+from services.sampler.packing import SealedBatch
 from services.sampler.redis_link import RedisLink, is_outage
 from services.sampler.replay_store import ReplayPool
 from services.sampler.rollout import summarize_batch
 from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
 from services.sampler.strategies import BuildContext, Strategy
+from shared import chunks as chunk_format
 from shared import codec, contract
 from shared.aio import wait_any, wait_event
 
@@ -82,7 +85,8 @@ class BuildProgress:
 class Producer:
     def __init__(self, *, store: Store, notifier: Notifier, pool: InferencePool, source: FreshGroups,
                  strategy: Strategy, replay_pool: ReplayPool, env_name: str, link: RedisLink,
-                 drill: Drill | None = None, claim_ttl: float = 10.0):
+                 drill: Drill | None = None, claim_ttl: float = 10.0,
+                 chunk_bytes: int = packing.DEFAULT_CHUNK_BYTES):
         self.store = store
         self.notifier = notifier
         self.pool = pool
@@ -93,6 +97,7 @@ class Producer:
         self.env_name = env_name
         self.link = link
         self.drill = drill or Drill()
+        self.chunk_bytes = chunk_bytes
         self.heals = HealLog()
         self.in_progress: dict[int, BuildProgress] = {}
         self.floor = 0
@@ -296,18 +301,18 @@ class Producer:
         """Batch `step` serves batch `base`'s samples again, one more use each."""
         while True:
             changed = self.notifier.changed()
-            payload = await self.store.get_batch(base)
-            if payload is not None:
+            sealed = await self.store.get_batch(base)
+            if sealed is not None:
                 break
             await wait_event(changed, _RECHECK_SECONDS)
-        samples = codec.unpack(payload)["samples"]
+        samples = [s for buffer in sealed.chunks or [] for s in chunk_format.samples_of(chunk_format.decode_chunk(buffer))]
         for sample in samples:
             sample["use_count"] = contract.use_count_after_reuse(sample.get("use_count", 1), step, base)
         return samples
 
     async def _generate(self, step: int, required: int, ticket: int | None,
-                        progress: BuildProgress) -> tuple[dict[str, Any], bytes] | None:
-        """Batch `step`'s payload and its packed bytes; None when shutting down after a failure."""
+                        progress: BuildProgress) -> tuple[dict[str, Any], SealedBatch] | None:
+        """Batch `step`'s payload and its chunks; None when shutting down after a failure."""
         delay = 0.5
         while True:
             progress.attempts += 1
@@ -320,10 +325,11 @@ class Producer:
                         f"staleness): a version above {step} was served before batch {step} was read; the trainer "
                         f"publishes version N+1 only after reading batch N")
                 stats = {**summarize_batch(step, samples, progress.started_at, time.time()).model_dump(), **extra}
-                # The arrays form, also for the on-sealed hooks: the rollout log builds its
-                # token columns from these arrays without touching each number.
+                # The on-sealed hooks get typed arrays (the rollout log builds its token columns
+                # from them without touching each number); fresh groups made theirs when they
+                # finished (FreshGroups), so only reused or replayed samples are converted here.
                 payload = codec.with_arrays({"step": step, "samples": samples, "stats": stats})
-                return payload, codec.pack_typed(payload)
+                return payload, packing.pack(step, payload["samples"], stats, self.chunk_bytes)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep producing; the error is surfaced in /status
@@ -347,8 +353,8 @@ class Producer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
-    async def _seal(self, step: int, packed: bytes, progress: BuildProgress) -> int | None:
-        """Seal these bytes, retried (the same bytes) until Redis takes them; None when shutting
+    async def _seal(self, step: int, packed: SealedBatch, progress: BuildProgress) -> int | None:
+        """Seal these chunks, retried (the same chunks) until Redis takes them; None when shutting
         down. 1 sealed now, 0 another build sealed it first, -1 trimmed before it was sealed."""
         delay = 0.5
         while True:

@@ -37,6 +37,7 @@ from services.sampler.multiturn.trajectories import (
     GroupFailed, group_trajectories, note_fault, reward_timeout, score, trajectory,
 )
 from services.sampler.multiturn.workers import Workers
+from shared import codec
 from shared.contract import staleness
 from shared.wire import BatchStats, new_sample
 
@@ -126,8 +127,18 @@ class Group:
     info: dict[str, Any] = field(default_factory=dict)
     # Why the group must never reach a batch (a non-finite reward); None when it may.
     invalid: str | None = None
+    # (env_name, samples with typed token arrays), made by `finish` as the group is done.
+    _finished: tuple[str, list[dict[str, Any]]] | None = field(default=None, repr=False)
+
+    def finish(self, env_name: str) -> None:
+        """Turn the samples' token lists into typed arrays now, while other groups of the batch
+        are still generating: the batch's seal then only copies them into its chunks."""
+        if self.invalid is None:
+            self._finished = env_name, codec.with_arrays({"samples": self.samples(env_name)})["samples"]
 
     def samples(self, env_name: str) -> list[dict[str, Any]]:
+        if self._finished is not None and self._finished[0] == env_name:
+            return self._finished[1]
         if self.invalid is not None:
             raise ValueError(f"group {self.group_id} ({self.example.prompt_id}) cannot become samples: {self.invalid}")
         prompt_id, prompt_text = self.example.prompt_id, self.example.prompt

@@ -95,6 +95,7 @@ class FreshGroups:
                                          seed=derive_seed(self.seed, step, group_id, attempt))
             if min(group.policy_versions) >= min_version:
                 group.info["lesson"] = lesson
+                group.finish(lesson)
                 return group
         raise RuntimeError(
             f"group {group_id} kept coming back with weights older than version {min_version} "

@@ -1,17 +1,24 @@
 """Durable sampler state in Redis: sealed batches, the published version, servers, stats.
 
 Invariants:
-* A sealed batch is written once (`SET NX` inside a Lua script that also records the
-  step and announces it); re-sealing the same step is a no-op, so writes are idempotent.
-* Readers never pop: `get_batch` returns the same bytes until the step is trimmed.
+* A sealed batch is a manifest (a hash: build id, chunk table, stats) and its chunks
+  (strings of group-aligned samples, shared/chunks.py), so no single Redis value has to
+  hold a whole batch (Redis refuses values over 512 MB). The chunks are written first, with
+  an expiry, under keys named by the build; one Lua script then checks they are all there,
+  makes them permanent, writes the manifest only if none exists (first seal wins), records
+  the step and announces it. A reader sees all of a batch or none of it; re-sealing a step
+  is a no-op (the loser's chunks are deleted), so writes are idempotent, and chunks of a
+  build that never sealed expire by themselves.
+* Readers never pop: a batch reads the same until the step is trimmed; trimming deletes a
+  manifest and its chunks in the same script.
 * The published version only moves forward (compare-and-set in Lua).
 * Memory is bounded: batches more than `keep_batches` behind the published version are
   deleted, except those from the trainer's resume step on (the step after its newest full
   checkpoint, sent with each version): a trainer killed at any moment finds every batch it
   must train again, and the per-batch stats stream and the publication history keep the last 256
   entries (what the dashboard plots), so Redis memory is flat after a few hundred steps.
-* What this process acknowledged it can write again: the bytes of the batches it sealed
-  most recently (`held`), the last version it published and the trim mark stay in memory,
+* What this process acknowledged it can write again: the batches it sealed most recently
+  (`held`; the newest always, older ones while they fit `cache_bytes`), the last version it published and the trim mark stay in memory,
   and `reverify()` writes back whatever a restarted Redis lost of them (a Redis that fsyncs
   every write loses nothing; one with `appendfsync everysec` can lose its last second).
 """
@@ -27,20 +34,33 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.sampler.keys import Keys
+from services.sampler.packing import SealedBatch, pack
+from shared import codec
 from shared.aio import wait_event
 from shared.probe import Probe
 
-# KEYS: batch, sealed, meta. ARGV: step, payload, channel.
-# Returns 1 when sealed now, 0 when it was already sealed, -1 when the step was trimmed.
+# KEYS: manifest, sealed, meta. ARGV: step, channel, build, chunk count, chunk key prefix,
+# chunk table (JSON), stats (JSON). Returns 1 when sealed now, 0 when the step was already
+# sealed (by this build: a repeat; by another: its chunks are deleted), -1 when the step was
+# trimmed, -2 when a chunk is missing (expired, or lost by a restarted Redis): write them again.
 _SEAL = """
+local n = tonumber(ARGV[4])
+local function drop() for i = 0, n - 1 do redis.call('DEL', ARGV[5] .. i) end end
 local trimmed = tonumber(redis.call('HGET', KEYS[3], 'trimmed_below') or '0')
-if tonumber(ARGV[1]) < trimmed then return -1 end
-if redis.call('SET', KEYS[1], ARGV[2], 'NX') then
-  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
-  redis.call('PUBLISH', ARGV[3], 'sealed:' .. ARGV[1])
-  return 1
+if tonumber(ARGV[1]) < trimmed then drop() return -1 end
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind ~= 'none' then
+  if kind ~= 'hash' or redis.call('HGET', KEYS[1], 'build') ~= ARGV[3] then drop() end
+  return 0
 end
-return 0
+for i = 0, n - 1 do
+  if redis.call('EXISTS', ARGV[5] .. i) == 0 then return -2 end
+end
+for i = 0, n - 1 do redis.call('PERSIST', ARGV[5] .. i) end
+redis.call('HSET', KEYS[1], 'build', ARGV[3], 'chunks', n, 'table', ARGV[6], 'stats', ARGV[7])
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+redis.call('PUBLISH', ARGV[2], 'sealed:' .. ARGV[1])
+return 1
 """
 
 # KEYS: meta, probe. ARGV: version, checkpoint_path ('' for none), channel, time, probe JSON ('' for none).
@@ -70,7 +90,14 @@ if ARGV[3] ~= '' then
 end
 if upto <= cur then return 0 end
 local steps = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. upto)
-for _, s in ipairs(steps) do redis.call('DEL', ARGV[2] .. 'batch:' .. s) end
+for _, s in ipairs(steps) do
+  local key = ARGV[2] .. 'batch:' .. s
+  if redis.call('TYPE', key).ok == 'hash' then
+    local m = redis.call('HMGET', key, 'build', 'chunks')
+    for i = 0, tonumber(m[2]) - 1 do redis.call('DEL', key .. ':' .. m[1] .. ':' .. i) end
+  end
+  redis.call('DEL', key)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. upto)
 redis.call('HSET', KEYS[1], 'trimmed_below', upto)
 return #steps
@@ -114,10 +141,22 @@ return 0
 """
 
 
+# Chunks of a build not yet sealed expire after this (a build that died before its seal
+# leaves nothing behind); the seal script makes them permanent. A seal delayed past it (a
+# long Redis outage) finds them gone (-2) and writes them again.
+STAGED_TTL_MS = 3_600_000
+# Chunks written per round trip to Redis: fewer fsyncs under `appendfsync always`.
+WRITE_BYTES = 32 << 20
+
+
 class Store:
-    def __init__(self, client: aioredis.Redis, keys: Keys, stats_cap: int = 256, recent_cap: int = 4):
+    def __init__(self, client: aioredis.Redis, keys: Keys, stats_cap: int = 256, recent_cap: int = 4,
+                 cache_bytes: int = 1 << 30):
         self.r = client
-        self._recent: OrderedDict[int, bytes] = OrderedDict()
+        # Batches this process sealed, newest last: served from memory, written back after a
+        # Redis restart. The newest always stays; older ones while all fit in `cache_bytes`.
+        self._recent: OrderedDict[int, SealedBatch] = OrderedDict()
+        self.cache_bytes = cache_bytes
         # Seals this process has in flight: step -> future of "these bytes became the batch".
         self._sealing: dict[int, asyncio.Future[bool]] = {}
         # Steps whose batch this process has answered a GET /batch with (the recent ones).
@@ -138,43 +177,71 @@ class Store:
 
     # --- batches -------------------------------------------------------------------
 
-    async def seal(self, step: int, payload: bytes) -> int:
-        k = self.keys
+    async def seal(self, step: int, batch: SealedBatch) -> int:
+        """Write `batch`'s chunks, then seal it: 1 sealed now, 0 already sealed (by another
+        build), -1 trimmed before it was sealed."""
         sealed = asyncio.get_running_loop().create_future()
         self._sealing[step] = sealed
         outcome = 0
         try:
-            outcome = int(await self._seal(keys=[k.batch(step), k.sealed, k.meta], args=[step, payload, k.events]))
+            outcome = await self._write_and_seal(step, batch)
             if outcome == 1:
                 # Only bytes that really became the sealed batch may be served from memory.
-                self._recent[step] = payload
-                while len(self._recent) > self.recent_cap:
-                    self._recent.popitem(last=False)
+                self._remember(step, batch)
         finally:
             if self._sealing.get(step) is sealed:
                 del self._sealing[step]
             sealed.set_result(outcome == 1)
         return outcome
 
+    def _remember(self, step: int, batch: SealedBatch) -> None:
+        self._recent[step] = batch
+        total = sum(b.nbytes for b in self._recent.values())
+        while len(self._recent) > 1 and (len(self._recent) > self.recent_cap or total > self.cache_bytes):
+            total -= self._recent.popitem(last=False)[1].nbytes
+
+    async def _write_and_seal(self, step: int, batch: SealedBatch) -> int:
+        k = self.keys
+        prefix = k.chunk_prefix(step, batch.build)
+        table, stats = batch.manifest()
+        for _ in range(3):
+            await self._write_chunks(prefix, batch.chunks or [])
+            outcome = int(await self._seal(keys=[k.batch(step), k.sealed, k.meta],
+                                           args=[step, k.events, batch.build, len(batch.table), prefix, table, stats]))
+            if outcome != -2:
+                return outcome
+        raise RuntimeError(f"batch {step}: its chunks kept disappearing from Redis between their write and the "
+                           "seal (is Redis evicting keys? set maxmemory-policy noeviction)")
+
+    async def _write_chunks(self, prefix: str, buffers: list[Any]) -> None:
+        i = 0
+        while i < len(buffers):
+            async with self.r.pipeline(transaction=False) as pipe:
+                size = 0
+                while i < len(buffers) and (size == 0 or size + len(buffers[i]) <= WRITE_BYTES):
+                    pipe.set(prefix + str(i), memoryview(buffers[i]), px=STAGED_TTL_MS)
+                    size += len(buffers[i])
+                    i += 1
+                await pipe.execute()
+
     def held(self, step: int) -> bool:
         """Whether this process holds the sealed bytes of `step` (it sealed them recently)."""
         return step in self._recent
 
     async def restore(self, step: int) -> int:
-        """Seal `step` again with the bytes this process sealed before (a restarted Redis lost
+        """Seal `step` again with the chunks this process sealed before (a restarted Redis lost
         them). 1 = written back, 0 = Redis has the batch, -1 = trimmed meanwhile."""
-        k = self.keys
-        payload = self._recent[step]
-        return int(await self._seal(keys=[k.batch(step), k.sealed, k.meta], args=[step, payload, k.events]))
+        return await self._write_and_seal(step, self._recent[step])
 
-    async def get_batch(self, step: int) -> bytes | None:
-        """The sealed bytes of `step`. Batches this process sealed recently come from memory
-        (they are immutable), which spares the trainer's hand-off a large Redis read; a
-        small read of the trim mark keeps a trimmed batch from being served.
+    async def manifest(self, step: int) -> SealedBatch | None:
+        """Batch `step` as sealed: with its chunks when this process holds them (they are
+        immutable, which spares a large Redis read), else the manifest alone (`read_chunks`
+        reads the chunks a reader needs). A small read of the trim mark keeps a trimmed batch
+        from being served from memory.
 
         The seal's announcement can wake a reader before this process has the reply to its
         own seal; such a reader waits for that reply (it follows within a round trip)
-        rather than reading the whole batch back from Redis."""
+        rather than reading the batch back from Redis."""
         sealing = self._sealing.get(step)
         if sealing is not None:
             await asyncio.shield(sealing)
@@ -184,7 +251,50 @@ class Store:
             if step >= int(trimmed or 0):
                 return cached
             self._recent.pop(step, None)
-        return await self.r.get(self.keys.batch(step))
+        try:
+            fields = await self.r.hgetall(self.keys.batch(step))
+        except aioredis.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            return await self._legacy(step)
+        return SealedBatch.from_manifest(step, fields) if fields else None
+
+    async def _legacy(self, step: int) -> SealedBatch | None:
+        """A batch sealed by a sampler before chunks (one string in the arrays form), converted
+        in memory: a run upgraded mid-way still serves the batches it sealed before."""
+        raw = await self.r.get(self.keys.batch(step))
+        if raw is None:
+            return None
+        body = codec.unpack(raw)
+        return pack(step, body["samples"], body.get("stats") or {})
+
+    async def read_chunks(self, batch: SealedBatch, indices: list[int]) -> list[Any] | None:
+        """Chunks `indices` of `batch` (from memory, or read from Redis); None when one is
+        gone (the batch was trimmed meanwhile)."""
+        if batch.chunks is not None:
+            return [batch.chunks[i] for i in indices]
+        prefix = self.keys.chunk_prefix(batch.step, batch.build)
+        found: list[Any] = []
+        start = 0
+        while start < len(indices):  # bounded reads: a reply is buffered whole by the client
+            stop, size = start, 0
+            while stop < len(indices) and (stop == start or size + batch.table[indices[stop]][1] <= WRITE_BYTES):
+                size += batch.table[indices[stop]][1]
+                stop += 1
+            found += await self.r.mget([prefix + str(i) for i in indices[start:stop]])
+            start = stop
+        return None if any(c is None for c in found) else found
+
+    async def get_batch(self, step: int) -> SealedBatch | None:
+        """Batch `step` with every chunk (None when not sealed, or trimmed meanwhile)."""
+        batch = await self.manifest(step)
+        if batch is None or batch.chunks is not None:
+            return batch
+        found = await self.read_chunks(batch, list(range(len(batch.table))))
+        if found is None:
+            return None
+        batch.chunks = found
+        return batch
 
     def _served_event(self, step: int) -> asyncio.Event:
         event = self._served.get(step)
@@ -214,6 +324,8 @@ class Store:
         point); returns how many were deleted."""
         mark = step if resume_step is None else min(step, resume_step)
         self._trim_mark = max(self._trim_mark, mark)
+        for held in [s for s in self._recent if s < mark]:
+            del self._recent[held]  # its memory goes back now, not when a later seal evicts it
         hold = "" if resume_step is None else resume_step
         return int(await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix, hold]))
 

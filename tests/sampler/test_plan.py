@@ -9,9 +9,23 @@ import httpx
 import redis as redis_py
 
 from services.sampler.keys import Keys
+from services.sampler.packing import pack
 from services.sampler.store import Store
 from tests.reliability.support import wait_for
 from tests.support.driver import drive
+
+
+def _stored(redis_url: str, namespace: str, step: int) -> dict[bytes, bytes]:
+    """Everything Redis holds of batch `step`: manifest fields and chunk bytes, by key."""
+    client = redis_py.Redis.from_url(redis_url)
+    try:
+        manifest = Keys(namespace).batch(step)
+        found = {manifest.encode() + b"/" + k: v for k, v in client.hgetall(manifest).items()}
+        for key in client.scan_iter(f"{manifest}:*"):
+            found[key] = client.get(key)
+        return found
+    finally:
+        client.close()
 
 
 def _status(url: str) -> dict:
@@ -23,7 +37,8 @@ def _lose(redis_url: str, namespace: str, step: int) -> None:
     keys = Keys(namespace)
     client = redis_py.Redis.from_url(redis_url)
     try:
-        assert client.delete(keys.batch(step)) == 1 and client.zrem(keys.sealed, step) == 1
+        chunks = list(client.scan_iter(f"{keys.batch(step)}:*"))  # its chunks, lost with it
+        assert client.delete(keys.batch(step), *chunks) == 1 + len(chunks) and client.zrem(keys.sealed, step) == 1
     finally:
         client.close()
 
@@ -52,12 +67,11 @@ async def test_a_lost_seal_this_process_holds_is_written_back_byte_for_byte(make
     await drive(sampler.url, 1)
     served = httpx.get(f"{sampler.url}/batch", params={"step": 1, "timeout": 20}, timeout=30)
     assert served.status_code == 200
-    stored = redis_py.Redis.from_url(redis_url).get(Keys(namespace).batch(1))
+    stored = _stored(redis_url, namespace, 1)
     _lose(redis_url, namespace, 1)
     # The next pass (at once: GET /batch wakes the planner for a step nobody builds) writes it back.
     httpx.get(f"{sampler.url}/batch", params={"step": 1, "timeout": 0}, timeout=30)
-    wait_for(lambda: redis_py.Redis.from_url(redis_url).get(Keys(namespace).batch(1)) == stored, 10,
-          "batch 1 to be written back")
+    wait_for(lambda: _stored(redis_url, namespace, 1) == stored, 10, "batch 1 to be written back")
     status = _status(sampler.url)
     assert status["steps"]["healed"]["counts"]["restored"] == 1
     assert status["steps"]["healed"]["counts"]["rebuilt"] == 0
@@ -72,14 +86,15 @@ async def test_reverify_writes_back_what_a_restarted_redis_lost(redis_url, names
     keys = Keys(namespace)
     store = Store(client, keys)
     try:
-        assert await store.seal(4, b"batch four") == 1
+        batch = pack(4, [{"group_id": "g", "reward": 1.0}], {"step": 4})
+        assert await store.seal(4, batch) == 1
         assert (await store.publish_version(5, "/ckpt/5"))[0] == 2
         assert await store.trim_below(3) == 0
         assert await store.reverify() == ([], None)  # nothing lost: nothing written
-        await client.delete(keys.batch(4), keys.sealed, keys.meta)  # a Redis that came back empty
+        await client.delete(*[k async for k in client.scan_iter(f"{keys.prefix}*")])  # a Redis that came back empty
         restored, republished = await store.reverify()
         assert restored == [4] and republished == 5
-        assert await client.get(keys.batch(4)) == b"batch four"
+        assert (await Store(client, keys).get_batch(4)).build == batch.build
         meta = await store.meta()
         assert (meta["version"], meta["checkpoint_path"], meta["trimmed_below"]) == (5, "/ckpt/5", 3)
     finally:

@@ -8,6 +8,7 @@ first, 409 when the published version is too old for the batch ever to be genera
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any
 
@@ -15,33 +16,23 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from starlette.background import BackgroundTask
 
 from services.sampler.deps import State
-from shared.aio import wait_event
+from services.sampler.packing import SealedBatch, pieces, share_range
+from services.sampler.store import Store
 from shared import codec
+from shared.aio import wait_event
+from shared.chunks import FRAMES, decode_chunk, frame_head, gc_paused, samples_of, slice_chunk
+from shared.codec import negotiate
 
 router = APIRouter(tags=["batch"])
-
-
-def rank_share(samples: list[dict[str, Any]], rank: int, world_size: int) -> list[dict[str, Any]]:
-    """This rank's contiguous share; whole groups per rank when the group count allows."""
-    if world_size == 1:
-        return samples
-    total = len(samples)
-    if total % world_size:
-        raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_CONTENT,
-            detail=f"a batch of {total} samples cannot be split evenly over world_size={world_size}",
-        )
-    share = total // world_size
-    # Contiguous equal slices keep groups whole whenever share is a multiple of the group
-    # size (samples are stored group by group); otherwise groups are split, unavoidably.
-    return samples[rank * share:(rank + 1) * share]
 
 
 @router.get(
     "/batch",
     responses={
-        200: {"description": "the sealed batch: JSON; msgpack with `Accept: application/msgpack`; msgpack "
-                   "with typed arrays with `Accept: application/vnd.tandem+msgpack` (see shared/codec.py)"},
+        200: {"description": "the sealed batch (this rank's share): chunk frames with `Accept: "
+                   "application/vnd.tandem.batch` (shared/chunks.py, what SamplerClient asks for); JSON; msgpack "
+                   "with `Accept: application/msgpack`; msgpack with typed arrays with `Accept: "
+                   "application/vnd.tandem+msgpack` (shared/codec.py)"},
         204: {"description": "not sealed within `timeout` seconds: ask again"},
         409: {"description": "the published weights version is too old for this batch"},
         410: {"description": "the batch was trimmed, or never sealed and the published version is past it"},
@@ -62,9 +53,9 @@ async def get_batch(
     store, notifier = state.store, state.notifier
     while True:
         changed = notifier.changed()
-        payload = await store.get_batch(step)
-        if payload is not None:
-            response = _batch_response(payload, rank, world_size, accept)
+        sealed = await store.manifest(step)
+        response = None if sealed is None else await _batch_response(store, sealed, rank, world_size, accept)
+        if response is not None:
             # Runs once the body is handed to the socket: observers waiting for the
             # hand-off (the rollout log) start then, not while the trainer receives it.
             response.background = BackgroundTask(store.mark_served, step)
@@ -114,16 +105,58 @@ async def get_batch(
         await wait_event(changed, remaining)
 
 
-def _batch_response(payload: bytes, rank: int, world_size: int, accept: str | None) -> Response:
-    # Batches are stored in the arrays form (codec.ARRAYS); the other forms are transcoded.
-    media_type = codec.negotiate(accept)
-    if world_size == 1 and media_type == codec.ARRAYS:
-        return Response(payload, media_type=media_type)
-    batch = codec.unpack(payload)
-    if world_size > 1:
-        batch["samples"] = rank_share(batch["samples"], rank, world_size)
-        batch["rank"], batch["world_size"] = rank, world_size
-    return Response(codec.encode(batch, media_type), media_type=media_type)
+async def _batch_response(store: Store, batch: SealedBatch, rank: int, world_size: int,
+                          accept: str | None) -> Response | None:
+    """This rank's share of `batch`, reading only the chunks that hold it; None when a chunk
+    is gone (the batch was trimmed meanwhile: the caller looks again and answers 410)."""
+    try:
+        start, stop = share_range(batch.num_samples, rank, world_size)
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=str(exc)) from exc
+    parts = pieces(batch.table, start, stop)
+    buffers = await store.read_chunks(batch, [p.index for p in parts])
+    if buffers is None:
+        return None
+    # Whole chunks are sent as stored; a chunk the share's edge cuts is re-encoded (at most
+    # two per share, each at most a chunk's size).
+    chunks = [buf if p.whole else slice_chunk(buf, p.start, p.stop) for p, buf in zip(parts, buffers)]
+    media_type = negotiate(accept)
+    if media_type == FRAMES:
+        head = frame_head(step=batch.step, stats=batch.stats, chunk_lengths=[len(c) for c in chunks],
+                          num_samples=stop - start, rank=rank, world_size=world_size)
+        return FramesResponse([head, *chunks])
+    # The other forms are transcoded, off the event loop: a large batch takes seconds.
+    body = await asyncio.to_thread(_transcode, batch, chunks, rank, world_size, media_type)
+    return Response(body, media_type=media_type)
+
+
+def _transcode(batch: SealedBatch, chunks: list, rank: int, world_size: int, media_type: str) -> bytes:
+    with gc_paused():
+        samples = [s for buf in chunks for s in samples_of(decode_chunk(buf))]
+        body: dict[str, Any] = {"step": batch.step, "samples": samples, "stats": batch.stats}
+        if world_size > 1:
+            body["rank"], body["world_size"] = rank, world_size
+        return codec.encode(body, media_type)
+
+
+class FramesResponse(Response):
+    """A `FRAMES` body sent piece by piece from the stored chunks: no copy of the batch is made
+    to answer (the server's flow control waits while the socket is full)."""
+
+    media_type = FRAMES
+
+    def __init__(self, pieces: list[Any]):
+        super().__init__(status_code=200)
+        self.pieces = pieces
+        self.headers["content-length"] = str(sum(len(p) for p in pieces))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for piece in self.pieces:
+            await send({"type": "http.response.body", "body": memoryview(piece), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if self.background is not None:
+            await self.background()
 
 
 def _trimmed_message(step: int, meta: dict[str, Any]) -> str:

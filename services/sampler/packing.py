@@ -1,0 +1,112 @@
+"""Packing a batch into chunks (shared/chunks.py), and which chunks hold a rank's share.
+
+A batch's samples are cut into chunks at group boundaries, each about `chunk_bytes` (a
+group larger than that is a chunk by itself), so a rank's share is whole chunks plus at
+most a part of one chunk at each end: reading it costs O(share + chunk), never O(batch).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shared import chunks as chunk_format
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+@dataclass
+class SealedBatch:
+    """A batch as stored: its chunks (None until read) and the manifest describing them."""
+
+    step: int
+    build: str
+    stats: dict[str, Any]
+    table: list[tuple[int, int]]  # (samples, bytes) per chunk
+    chunks: list[Any] | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return sum(n for n, _ in self.table)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for _, b in self.table)
+
+    def manifest(self) -> tuple[str, str]:
+        """(table, stats) as the manifest stores them."""
+        return json.dumps(self.table), json.dumps(self.stats)
+
+    @classmethod
+    def from_manifest(cls, step: int, fields: dict[bytes, bytes]) -> SealedBatch:
+        table = [(int(n), int(b)) for n, b in json.loads(fields[b"table"])]
+        return cls(step, fields[b"build"].decode(), json.loads(fields[b"stats"]), table)
+
+
+def _approx_bytes(sample: dict[str, Any]) -> int:
+    size = 64
+    for value in sample.values():
+        if isinstance(value, np.ndarray):
+            size += value.nbytes
+        elif isinstance(value, (list, str, bytes)):
+            size += 8 * len(value) if isinstance(value, list) else len(value)
+    return size
+
+
+def group_runs(samples: list[dict[str, Any]], chunk_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) sample ranges of about `chunk_bytes`, cut only where group_id changes."""
+    runs = []
+    start, size = 0, 0
+    for i, sample in enumerate(samples):
+        if size >= chunk_bytes and i > start and sample.get("group_id") != samples[i - 1].get("group_id"):
+            runs.append((start, i))
+            start, size = i, 0
+        size += _approx_bytes(sample)
+    if start < len(samples) or not runs:
+        runs.append((start, len(samples)))
+    return runs
+
+
+def pack(step: int, samples: list[dict[str, Any]], stats: dict[str, Any],
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SealedBatch:
+    """Batch `step` as chunks: each sample's numbers copied once, into its chunk."""
+    runs = group_runs(samples, chunk_bytes)
+    buffers = [chunk_format.encode_samples(samples[a:b]) for a, b in runs]
+    table = [(b - a, len(buf)) for (a, b), buf in zip(runs, buffers)]
+    return SealedBatch(step, uuid.uuid4().hex[:16], stats, table, buffers)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Samples start..stop-1 of chunk `index` (the whole chunk when they are all of it)."""
+
+    index: int
+    start: int
+    stop: int
+    whole: bool
+
+
+def share_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank `rank`'s contiguous sample range; ValueError when `total` does not split evenly.
+    Equal contiguous slices keep groups whole whenever the share is a multiple of the group
+    size (samples are stored group by group); otherwise groups are split, unavoidably."""
+    if total % world_size:
+        raise ValueError(f"a batch of {total} samples cannot be split evenly over world_size={world_size}")
+    share = total // world_size
+    return rank * share, (rank + 1) * share
+
+
+def pieces(table: list[tuple[int, int]], start: int, stop: int) -> list[Piece]:
+    """The chunk pieces holding samples start..stop-1 of a batch with this chunk table."""
+    out = []
+    first = 0
+    for index, (n, _) in enumerate(table):
+        lo, hi = max(start, first), min(stop, first + n)
+        if lo < hi:
+            out.append(Piece(index, lo - first, hi - first, lo == first and hi == first + n))
+        first += n
+    return out
