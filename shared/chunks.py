@@ -126,6 +126,13 @@ def _array_column(values: list[Any], codes: tuple[str, ...]) -> list[np.ndarray]
     return out
 
 
+def _one_kind(arrays: list[np.ndarray]) -> bool:
+    """A column has one dtype: ints and floats in one field would round ids past 2**53, so
+    such a field travels as exact lists instead."""
+    kinds = {a.dtype.kind for a in arrays}
+    return not ("f" in kinds and kinds & {"i", "u"})
+
+
 def columns_of(samples: list[dict[str, Any]]) -> Columns:
     """The columns of `samples` (sample dicts with lists or numpy arrays in the token fields)."""
     n = len(samples)
@@ -140,7 +147,7 @@ def columns_of(samples: list[dict[str, Any]]) -> Columns:
         codes = ARRAY_FIELDS.get(key)
         if codes is not None:
             arrays = _array_column(present, codes)
-            if arrays is not None:
+            if arrays is not None and _one_kind(arrays):
                 cols.arrays[key] = (arrays, _offsets([len(a) for a in arrays]))
                 continue
         kinds = {type(v) for v in present}
@@ -253,12 +260,26 @@ def _header(buffer: memoryview, magic: bytes, what: str) -> tuple[dict[str, Any]
     end = _PREFIX.size + size
     if end > len(buffer):
         raise ValueError(f"{what}: header of {size} bytes overruns the {len(buffer)}-byte buffer")
-    return msgpack.unpackb(buffer[_PREFIX.size:end], raw=False, strict_map_key=False), _pad8(end)
+    try:
+        header = msgpack.unpackb(buffer[_PREFIX.size:end], raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"{what}: its header is not valid msgpack ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"{what}: its header is a {type(header).__name__}, not a map")
+    return header, _pad8(end)
 
 
 def decode_chunk(buffer: Any) -> Columns:
     """The columns of one chunk, as numpy views of `buffer` (nothing is copied: a writable
-    buffer, such as the bytearray a client receives into, gives writable arrays)."""
+    buffer, such as the bytearray a client receives into, gives writable arrays). A damaged
+    chunk raises ValueError."""
+    try:
+        return _decode_chunk(buffer)
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"batch chunk: damaged header ({type(exc).__name__}: {exc})") from exc
+
+
+def _decode_chunk(buffer: Any) -> Columns:
     view = memoryview(buffer)
     header, start = _header(view, CHUNK_MAGIC, "batch chunk")
     n = header["n"]
@@ -367,13 +388,17 @@ def decode_frame(buffer: Any) -> BatchArrays:
     """A `FRAMES` body (any buffer; keep it alive as long as the arrays) as `BatchArrays`."""
     view = memoryview(buffer)
     header, at = _header(view, FRAME_MAGIC, "batch body")
-    with gc_paused():
-        chunks = _chunks_at(view, at, header["chunks"])
+    try:
+        with gc_paused():
+            chunks = _chunks_at(view, at, header["chunks"])
+        arrays = BatchArrays(header["step"], header["stats"], header["rank"], header["world_size"],
+                             header["num_samples"], chunks)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"batch body: damaged header ({type(exc).__name__}: {exc})") from exc
     got = sum(c.n for c in chunks)
-    if got != header["num_samples"]:
-        raise ValueError(f"batch body: its chunks hold {got} samples, its header says {header['num_samples']}")
-    return BatchArrays(header["step"], header["stats"], header["rank"], header["world_size"],
-                       header["num_samples"], chunks)
+    if got != arrays.num_samples:
+        raise ValueError(f"batch body: its chunks hold {got} samples, its header says {arrays.num_samples}")
+    return arrays
 
 
 def _chunks_at(view: memoryview, at: int, lengths: list[int]) -> list[Columns]:
