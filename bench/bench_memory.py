@@ -35,7 +35,9 @@ async def _sizes(r: aioredis.Redis, prefix: str) -> dict[str, Any]:
     batch_bytes = 0
     for k in batch_keys:
         batch_bytes += await r.memory_usage(k, samples=0) or 0
-    out: dict[str, Any] = {"used_memory": int(info["used_memory"]), "batch_keys": len(batch_keys),
+    # A batch is a manifest (batch:<step>) and its chunks (batch:<step>:<build>:<i>); count batches.
+    batches = {k.split(b":")[3] for k in batch_keys}
+    out: dict[str, Any] = {"used_memory": int(info["used_memory"]), "batch_keys": len(batches),
                            "batch_bytes": batch_bytes, "keys_total": await r.dbsize()}
     for name in ("batch_stats", "published"):
         key = prefix + name
@@ -114,7 +116,7 @@ def run(results_dir: Path, *, steps: int = 1000, every: int = 100, keep_batches:
         f"{result['setup']['batch']} ({result['setup']['batch_msgpack_bytes']} B msgpack), trainer T = 0, "
         f"keep_batches {keep_batches}.",
         "",
-        "| step | elapsed s | used_memory KiB | batch keys | batches KiB | stats stream entries | stats stream KiB | "
+        "| step | elapsed s | used_memory KiB | batches (manifest + chunks) | batches KiB | stats stream entries | stats stream KiB | "
         "publication history entries | history KiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -126,7 +128,7 @@ def run(results_dir: Path, *, steps: int = 1000, every: int = 100, keep_batches:
         )
     lines += [
         "",
-        f"Sealed batches stay bounded: at most {result['batch_keys_max']} batch keys (keep_batches {keep_batches} "
+        f"Sealed batches stay bounded: at most {result['batch_keys_max']} batches (keep_batches {keep_batches} "
         f"behind the published version, plus the ones generated ahead). used_memory grew "
         f"{result['growth_bytes_after_first_sample'] / 1024:.0f} KiB from step {first['step']} to {last['step']}, of "
         f"which {result['growth_from_capped_structures_bytes'] / 1024:.0f} KiB is the stats stream and publication "

@@ -138,12 +138,14 @@ def batch_bytes(url: str, step: int, timeout: float = 0.0) -> bytes | None:
 
 
 def redis_keys(redis_url: str, namespace: str) -> dict[str, Any]:
-    """The run's durable state as Redis holds it: batch keys, the sealed index, claims."""
+    """The run's durable state as Redis holds it: sealed batches (their manifests: batch:<step>;
+    chunks are batch:<step>:<build>:<i>), the sealed index, claims."""
     client = redis_py.Redis.from_url(redis_url, socket_timeout=5)
     try:
         prefix = f"tandem:{namespace}:"
         keys = [k.decode() for k in client.scan_iter(match=prefix + "*", count=1000)]
-        batches = sorted(int(k[len(prefix + "batch:"):]) for k in keys if k.startswith(prefix + "batch:"))
+        names = [k[len(prefix + "batch:"):] for k in keys if k.startswith(prefix + "batch:")]
+        batches = sorted(int(name) for name in names if ":" not in name)
         claims = {k: client.get(k) for k in keys if k.startswith(prefix + "claim:")}
         sealed = sorted(int(s) for s in client.zrange(prefix + "sealed", 0, -1))
         meta = {k.decode(): v.decode() for k, v in client.hgetall(prefix + "meta").items()}
