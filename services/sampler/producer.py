@@ -359,7 +359,7 @@ class Producer:
         delay = 0.5
         while True:
             try:
-                return await self.store.seal(step, packed)
+                return await self.store.seal(step, packed, staged=lambda: self.drill.point("staged", step))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the batch is built: never lose it to a blip

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -38,6 +40,8 @@ from services.sampler.packing import SealedBatch, pack
 from shared import codec
 from shared.aio import wait_event
 from shared.probe import Probe
+
+log = logging.getLogger("tandem.sampler.store")
 
 # KEYS: manifest, sealed, meta. ARGV: step, channel, build, chunk count, chunk key prefix,
 # chunk table (JSON), stats (JSON). Returns 1 when sealed now, 0 when the step was already
@@ -177,14 +181,16 @@ class Store:
 
     # --- batches -------------------------------------------------------------------
 
-    async def seal(self, step: int, batch: SealedBatch) -> int:
+    async def seal(self, step: int, batch: SealedBatch,
+                   staged: Callable[[], Awaitable[None]] | None = None) -> int:
         """Write `batch`'s chunks, then seal it: 1 sealed now, 0 already sealed (by another
-        build), -1 trimmed before it was sealed."""
+        build), -1 trimmed before it was sealed. `staged` is awaited between the two (the
+        restart drills pause there)."""
         sealed = asyncio.get_running_loop().create_future()
         self._sealing[step] = sealed
         outcome = 0
         try:
-            outcome = await self._write_and_seal(step, batch)
+            outcome = await self._write_and_seal(step, batch, staged)
             if outcome == 1:
                 # Only bytes that really became the sealed batch may be served from memory.
                 self._remember(step, batch)
@@ -200,16 +206,22 @@ class Store:
         while len(self._recent) > 1 and (len(self._recent) > self.recent_cap or total > self.cache_bytes):
             total -= self._recent.popitem(last=False)[1].nbytes
 
-    async def _write_and_seal(self, step: int, batch: SealedBatch) -> int:
+    async def _write_and_seal(self, step: int, batch: SealedBatch,
+                              staged: Callable[[], Awaitable[None]] | None = None) -> int:
         k = self.keys
         prefix = k.chunk_prefix(step, batch.build)
         table, stats = batch.manifest()
         for _ in range(3):
             await self._write_chunks(prefix, batch.chunks or [])
+            if staged is not None:
+                await staged()
+                staged = None
             outcome = int(await self._seal(keys=[k.batch(step), k.sealed, k.meta],
                                            args=[step, k.events, batch.build, len(batch.table), prefix, table, stats]))
             if outcome != -2:
                 return outcome
+            log.warning("batch %d: a chunk was missing from Redis at the seal (a restarted Redis?); "
+                        "writing the chunks again", step)
         raise RuntimeError(f"batch {step}: its chunks kept disappearing from Redis between their write and the "
                            "seal (is Redis evicting keys? set maxmemory-policy noeviction)")
 

@@ -1,7 +1,8 @@
 """Redis killed -9 at each dangerous moment of a step: nothing skipped, nothing changed.
 
 The sampler runs with its drill pause points (services/sampler/drill.py): it stops exactly at
-a moment (a step's claim taken, its batch built but not sealed, its seal acknowledged, a
+a moment (a step's claim taken, its batch built but not sealed, its chunks written but not
+sealed, its seal acknowledged, a
 version about to be written, a version written but not yet answered), the drill kills Redis
 there, lets the sampler run on into the outage, and starts Redis again on the same port. A
 trainer on `SamplerClient` reads batch N, "trains", publishes N+1 throughout, retrying 503s.
@@ -47,11 +48,14 @@ AT = 3  # the step (or version) at which Redis is killed
 MOMENTS = {
     "claimed": ("claimed", None),
     "built": ("built", None),
+    # The chunks are in Redis, the seal not yet run: lossy, Redis comes back without them and
+    # the seal must find them missing and write them again, never seal a hole.
+    "staged": ("staged", "built"),
     "sealed": ("sealed", "built"),
     "publishing": ("publishing", None),
     "published": ("published", "publishing"),
 }
-LOSSY = ("sealed", "published")
+LOSSY = ("staged", "sealed", "published")
 MAX_WAIT = 60.0
 
 
@@ -127,6 +131,9 @@ def moment_drill(tmp: Path, cleanup: Cleanup, moment: str, *, lossy: bool = Fals
     assert steps["missing"] == [], steps
     assert status["versions"]["published"] == STEPS
     heals = steps["healed"]["counts"]
+    log = (tmp / "sampler" / "sampler.log").read_text(errors="replace")
+    if lossy and moment == "staged":
+        assert "a chunk was missing from Redis at the seal" in log, "the lost chunks were not written again"
     if lossy and moment == "sealed":
         assert heals["restored"] >= 1, f"the lost seal of batch {AT} was not written back: {steps['healed']}"
     elif lossy and moment == "published":
@@ -135,7 +142,6 @@ def moment_drill(tmp: Path, cleanup: Cleanup, moment: str, *, lossy: bool = Fals
         assert heals["rebuilt"] == heals["restored"] == 0, f"nothing was lost, yet: {steps['healed']}"
     waited = max(trainer.waits)
     assert waited < MAX_WAIT, f"a step waited {waited:.0f}s on the sampler: {trainer.waits}"
-    log = (tmp / "sampler" / "sampler.log").read_text(errors="replace")
     assert "Traceback" not in log, sampler.log_tail(8000)
     assert status["redis"]["restarts"] >= 1, status["redis"]
     return {"recovered": recovered, "max_wait": waited, "heals": heals}
