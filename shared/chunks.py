@@ -372,6 +372,16 @@ class BatchArrays:
         np.cumsum(lengths, out=offsets[1:])
         return values, offsets
 
+    def tensors(self, name: str) -> list[tuple[Any, Any]]:
+        """(values, offsets) of a token field per chunk as torch tensors sharing the received
+        buffer (no copy: every dtype of the format is one torch has). Needs torch."""
+        import torch
+
+        parts = [c.arrays[name] for c in self.chunks if name in c.arrays]
+        if len(parts) != len(self.chunks):
+            raise KeyError(f"{name!r} is not a typed array in every chunk of this batch")
+        return [(torch.from_numpy(v), torch.from_numpy(o)) for v, o in parts]
+
     def samples(self) -> list[dict[str, Any]]:
         with gc_paused():
             return [sample for chunk in self.chunks for sample in samples_of(chunk)]

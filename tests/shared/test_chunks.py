@@ -419,6 +419,22 @@ def test_torch_from_numpy_shares_the_received_buffer():
     assert ids.data_ptr() == _address(batch.column("completion_token_ids")[0])
 
 
+def test_tensors_are_per_chunk_views_of_the_body():
+    torch = pytest.importorskip("torch")
+    first = [{"completion_token_ids": [1, 2], "loss_mask": [1, 0]}, {"completion_token_ids": [3], "loss_mask": [1]}]
+    second = [{"completion_token_ids": [4, 5, 6], "loss_mask": [0, 1, 1]}]
+    body = _frame([encode_samples(first), encode_samples(second)])
+    batch = decode_frame(body)
+    parts = batch.tensors("completion_token_ids")
+    assert [(v.tolist(), o.tolist()) for v, o in parts] == [([1, 2, 3], [0, 2, 3]), ([4, 5, 6], [0, 3])]
+    for (values, offsets), chunk in zip(parts, batch.chunks):
+        assert values.data_ptr() == _address(chunk.arrays["completion_token_ids"][0])
+        assert offsets.dtype == torch.int64
+    assert batch.tensors("loss_mask")[1][0].dtype == torch.uint8
+    with pytest.raises(KeyError):
+        batch.tensors("prompt_token_ids")
+
+
 # --- packing ---------------------------------------------------------------------------------
 
 def _grouped_samples(rng: random.Random, groups: int, *, tokens: tuple[int, int] = (50, 400)) -> list[dict]:
