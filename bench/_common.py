@@ -83,7 +83,9 @@ def standin_process(tmp: Path, token_latency: float) -> Iterator[ServiceProcess]
 @contextmanager
 def sampler_process(run_dir: Path, **settings: Any) -> Iterator[ServiceProcess]:
     """The sampler as its own process. With BENCH_PYSPY=<file.svg|file.txt> set, py-spy
-    samples it for its whole life (flame graph, or collapsed stacks for .txt)."""
+    samples it for its whole life (flame graph, or collapsed stacks for .txt); with
+    BENCH_PYSPY_GIL=1 too, only the thread holding the GIL is sampled (a thread waiting for
+    the GIL otherwise counts as busy, which overstates the rollout log's worker thread)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     proc = start_sampler_process(run_dir, log_level="warning", **settings)
     spy = _start_pyspy(proc.pid)
@@ -107,8 +109,9 @@ def _start_pyspy(pid: int) -> subprocess.Popen | None:
     fmt = "raw" if out.endswith(".txt") else "flamegraph"
     # Each sampler gets its own file: <out stem>-<pid><suffix>.
     path = Path(out).with_name(f"{Path(out).stem}-{pid}{Path(out).suffix}")
+    gil = ["--gil"] if os.environ.get("BENCH_PYSPY_GIL") else []
     return subprocess.Popen([str(exe), "record", "--pid", str(pid), "--rate", "200", "--format", fmt,
-                             "--output", str(path), "--nonblocking"],
+                             "--output", str(path), "--nonblocking", *gil],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -121,8 +124,12 @@ async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: st
 
     from shared import codec
 
+    from shared.chunks import FRAMES, decode_frame
+
     records: list[dict[str, Any]] = []
-    headers = {"Accept": accept or codec.ARRAYS}  # by default the arrays form, as SamplerClient asks
+    # By default the arrays form (msgpack with typed arrays, which the sampler transcodes from
+    # its stored chunks); SamplerClient asks for FRAMES, the stored chunks as they are.
+    headers = {"Accept": accept or codec.ARRAYS}
     give_up = time.monotonic() + deadline_s
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0, read=60.0)) as http:
         for step in range(steps):
@@ -135,11 +142,16 @@ async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: st
                     break
                 if response.status_code != 204:
                     raise RuntimeError(f"GET /batch step={step}: HTTP {response.status_code}: {response.text[:300]}")
-            batch = codec.decode(response.headers.get("content-type"), response.content)
+            content_type = response.headers.get("content-type") or ""
+            if content_type.split(";")[0].strip() == FRAMES:
+                arrays = decode_frame(response.content)
+                stats, samples = arrays.stats, arrays.num_samples
+            else:
+                batch = codec.decode(content_type, response.content)
+                stats, samples = batch["stats"], len(batch["samples"])
             got = time.perf_counter()
             records.append({"step": step, "asked": asked, "got": got, "wall": time.time(),
-                            "stats": batch["stats"], "samples": len(batch["samples"]),
-                            "bytes": len(response.content)})
+                            "stats": stats, "samples": samples, "bytes": len(response.content)})
             if on_step is not None:
                 await on_step(step)
             if train_seconds:
