@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
 
     import uvicorn
 
+    from services.sampler import gc_tuning
     from services.sampler.app import create_app
     from services.sampler.envs import load_environment
     from services.sampler.strategies import load_strategy
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings, env, strategy)
+    # Everything imported and built so far lives as long as the process: out of the collector's way.
+    gc_tuning.enable()
 
     class SamplerServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from services.sampler import gc_tuning
 from shared.contract import staleness
 
 log = logging.getLogger("tandem.sampler.rollout_log")
@@ -200,11 +201,14 @@ def to_table(payload: dict[str, Any]):  # -> pyarrow.Table
 
 def _load_pyarrow() -> None:
     """Import pyarrow and run one conversion (its first one imports pandas): ~0.3 s of CPU
-    that the first batch would otherwise spend on the event loop."""
+    that the first batch would otherwise spend on the event loop. The ~35k objects those
+    modules add are then frozen out of the collector's way, in the `tandem sampler` process
+    (gc_tuning.py)."""
     import pyarrow as pa
     import pyarrow.parquet  # noqa: F401
 
     pa.array([0], type=pa.int64())
+    gc_tuning.settle()
 
 
 class RolloutLog:
