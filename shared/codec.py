@@ -108,6 +108,30 @@ def _typed(values: list, codes: tuple[str, ...]) -> Any:
     return values
 
 
+_ONES: dict[int, np.ndarray] = {}
+
+
+def typed_field(name: str, values: Any) -> Any:
+    """What `with_arrays` makes of a sample's `name` value: for a list in one of the
+    `ARRAY_FIELDS`, the typed array that holds it exactly (else the list itself); any other
+    value as it is."""
+    if type(values) is not list:
+        return values
+    codes = ARRAY_FIELDS.get(name)
+    return values if codes is None else _typed(values, codes)
+
+
+def ones_mask(count: int) -> np.ndarray:
+    """`typed_field("loss_mask", [1] * count)`: the same read-only uint8 array, made once per
+    length (arrays from this module are never written to, so samples may share one)."""
+    mask = _ONES.get(count)
+    if mask is None:
+        if len(_ONES) >= 4096:  # lengths are bounded by max_tokens; never grow without bound
+            _ONES.clear()
+        mask = _ONES[count] = np.frombuffer(b"\x01" * count, EXT_DTYPES[_STRUCT_EXT["B"]])
+    return mask
+
+
 def with_arrays(batch: dict[str, Any]) -> dict[str, Any]:
     """`batch` with each sample's `ARRAY_FIELDS` lists as read-only numpy arrays (a list no
     type holds exactly stays a list): what `pack_arrays` sends and `unpack` gives back.

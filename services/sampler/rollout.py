@@ -51,6 +51,14 @@ _LOGPROB_WARN_SECONDS = 60.0
 _SHOWN = 4
 
 
+# The keys `Group.samples` passes to new_sample besides the group's info and a completion's metrics.
+_SAMPLE_KEYS = frozenset((
+    "prompt_id", "group_id", "prompt_token_ids", "completion_token_ids", "completion_logprobs", "loss_mask",
+    "reward", "rewards", "advantage", "policy_version", "finish_reason", "use_count", "env", "sample_index",
+    "versions", "prompt_text", "completion_text",
+))
+
+
 def derive_seed(*parts: Any) -> int:
     """A stable 31-bit seed from any parts (Python's hash() is salted per process)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
@@ -134,7 +142,51 @@ class Group:
         """Turn the samples' token lists into typed arrays now, while other groups of the batch
         are still generating: the batch's seal then only copies them into its chunks."""
         if self.invalid is None:
-            self._finished = env_name, codec.with_arrays({"samples": self.samples(env_name)})["samples"]
+            self._finished = env_name, self._typed_samples(env_name)
+
+    def _typed_samples(self, env_name: str) -> list[dict[str, Any]]:
+        """`codec.with_arrays({"samples": self.samples(env_name)})["samples"]`, built in one pass:
+        no list-form sample to copy, the group's prompt converted once when its completions
+        share the prompt's list, and one all-ones loss mask per length."""
+        info = self.info
+        if not _SAMPLE_KEYS.isdisjoint(info) or any(c.metrics and "metrics" in info for c in self.completions):
+            # A key given twice: new_sample refuses it, as it always has.
+            return codec.with_arrays({"samples": self.samples(env_name)})["samples"]
+        typed, ones = codec.typed_field, codec.ones_mask
+        prompt_id, prompt_text, group_id = self.example.prompt_id, self.example.prompt, self.group_id
+        rewards, parts, advantages, versions = self.rewards, self.reward_parts, self.advantages, self.policy_versions
+        prompt_list: Any = None
+        prompt_array: Any = None
+        out = []
+        for i, c in enumerate(self.completions):
+            if c.prompt_token_ids is not prompt_list:
+                prompt_list = c.prompt_token_ids
+                prompt_array = typed("prompt_token_ids", prompt_list)
+            token_ids = c.token_ids
+            sample = {
+                "prompt_id": prompt_id,
+                "group_id": group_id,
+                "prompt_token_ids": prompt_array,
+                "completion_token_ids": typed("completion_token_ids", token_ids),
+                "completion_logprobs": typed("completion_logprobs", c.logprobs),
+                "loss_mask": ones(len(token_ids)) if c.loss_mask is None else typed("loss_mask", c.loss_mask),
+                "reward": rewards[i],
+                "rewards": parts[i],
+                "advantage": advantages[i],
+                "policy_version": versions[i],
+                "finish_reason": c.finish_reason,
+                "use_count": 1,
+                "env": env_name,
+                "sample_index": i,
+                "versions": c.versions,
+                "prompt_text": prompt_text,
+                "completion_text": c.text,
+                **info,
+            }
+            if c.metrics:
+                sample["metrics"] = c.metrics
+            out.append(sample)
+        return out
 
     def samples(self, env_name: str) -> list[dict[str, Any]]:
         if self._finished is not None and self._finished[0] == env_name:
