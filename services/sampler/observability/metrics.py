@@ -7,7 +7,10 @@ names start with `tandem_sampler_`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections import Counter as Tally
+from collections.abc import Iterable, Mapping
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,6 +33,35 @@ REWARD_BUCKETS = (-2.0, -1.0, -0.5, -0.25, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LONG_POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def observe_counts(histogram: Histogram, counts: Mapping[float, int]) -> None:
+    """`histogram.observe(value)` `count` times for each (value, count) of `counts`, with one
+    update of each bucket and of the sum (observing each sample of a batch took ~2 us apiece,
+    a lock per bucket and sum update). Buckets as `observe` picks them: the first upper bound
+    >= the value; a NaN lands in none but counts in the sum. An unlabelled histogram of
+    prometheus_client's own make is updated through its bucket values; any other is observed
+    value by value."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if type(histogram) is not Histogram or not bounds or buckets is None or total is None or len(buckets) != len(bounds):
+        for value, count in counts.items():
+            for _ in range(count):
+                histogram.observe(value)
+        return
+    per_bucket = [0] * len(bounds)
+    amount = 0.0
+    for value, count in counts.items():
+        amount += value * count
+        i = bisect_left(bounds, value)
+        if i < len(bounds) and value <= bounds[i]:
+            per_bucket[i] += count
+    if counts:
+        total.inc(amount)
+    for bucket, count in zip(buckets, per_bucket):
+        if count:
+            bucket.inc(count)
 
 
 class _StateCollector(Collector):
@@ -182,13 +214,14 @@ class SamplerMetrics:
         self.last_reward.set(stats.get("reward_mean", 0.0))
         if stats.get("generation_seconds") is not None:
             self.seal_latency.observe(stats["generation_seconds"])
-        reward, staleness = self.reward.observe, self.staleness.observe
-        tokens = 0
-        for s in samples:
-            reward(s["reward"])
-            staleness(contract.staleness(step, s["policy_version"]))
-            tokens += len(s["completion_token_ids"])
-        self.sealed_tokens.inc(tokens)
+        # A batch holds few distinct rewards and versions: one histogram update per value.
+        observe_counts(self.reward, Tally(map(itemgetter("reward"), samples)))
+        by_version = Tally(map(itemgetter("policy_version"), samples))
+        stale: Tally = Tally()
+        for version, count in by_version.items():
+            stale[contract.staleness(step, version)] += count
+        observe_counts(self.staleness, stale)
+        self.sealed_tokens.inc(sum(map(len, map(itemgetter("completion_token_ids"), samples))))
 
     def on_synced(self, result: SyncResult) -> None:
         outcome = "ok" if result.ok else "failed"
