@@ -290,3 +290,94 @@ def test_observability_on_sealed_counts_every_sample_and_keeps_the_last_ones(mon
     assert len(ring) == recent.ring.maxlen
     assert [r["completion"] for r in ring] == [f"c{i}" for i in range(500 - recent.ring.maxlen, 500)]
     assert ring[-1]["tokens"] == 499 % 5 and ring[-1]["step"] == 3
+
+
+def test_observe_counts_matches_observing_each_value():
+    from collections import Counter
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from services.sampler.observability.metrics import REWARD_BUCKETS, STALENESS_BUCKETS, observe_counts
+
+    def samples(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for m in registry.collect() for s in m.samples if not s.name.endswith("_created")}
+
+    values = [-3, -2.0, -1, 0, 0.1, 0.05, 1, 1.0, True, 2, 5, 7, 16, 33, math.inf, 0.75, 0.9, -0.25] * 7
+    for buckets in (REWARD_BUCKETS, STALENESS_BUCKETS):
+        one, many = CollectorRegistry(), CollectorRegistry()
+        each = Histogram("h", "h", buckets=buckets, registry=one)
+        batched = Histogram("h", "h", buckets=buckets, registry=many)
+        for value in values:
+            each.observe(value)
+        observe_counts(batched, Counter(values))
+        assert samples(many) == samples(one)
+    # NaN: counted in no bucket (its sum is NaN), as observe does it.
+    registry = CollectorRegistry()
+    h = Histogram("n", "n", buckets=STALENESS_BUCKETS, registry=registry)
+    observe_counts(h, {math.nan: 2, 1: 3})
+    assert registry.get_sample_value("n_count") == 3 and math.isnan(registry.get_sample_value("n_sum"))
+    # A labelled histogram's parent cannot be observed: the same error as observe's.
+    labelled = Histogram("l", "l", ["k"], registry=CollectorRegistry())
+    with pytest.raises(ValueError):
+        observe_counts(labelled, {1.0: 1})
+
+
+# ---------------------------------------------------------------- typed samples of a group
+
+
+def test_finished_group_samples_are_the_arrays_form_of_its_samples():
+    from services.sampler.rollout import Group
+    from shared import codec
+
+    prompt = [10, 11, 12]
+    completions = [
+        Completion(text="a", prompt_token_ids=prompt, token_ids=[1, 2], logprobs=[-0.5, -0.25], finish_reason="stop",
+                   versions=[3]),
+        Completion(text="b", prompt_token_ids=prompt, token_ids=[3], logprobs=[0.0], finish_reason="length",
+                   versions=[3], loss_mask=[0], metrics={"turns": 1.0}),
+        Completion(text="", prompt_token_ids=[10, 11, 12], token_ids=[], logprobs=[], finish_reason="stop"),
+        Completion(text="c", prompt_token_ids=[10, 2**40], token_ids=[2**40, 1.5], logprobs=[None, -1.0],
+                   finish_reason="stop", versions=[3, 4], loss_mask=[1, 0]),  # int64 prompt; lists stay lists
+        Completion(text="d", prompt_token_ids=np.array([10, 11], np.int32), token_ids=(5, 6), logprobs=[-1.0, -2.0],
+                   finish_reason="stop"),  # not lists: left as they are
+    ]
+    n = len(completions)
+    group = Group(example=Example("p/1", "q"), group_id="s0-g0", completions=completions, rewards=[1.0] * n,
+                  reward_parts=[{"r": 1.0}] * n, advantages=[0.0] * n, policy_versions=[3] * n,
+                  info={"created_at": 12.5, "lesson": "toy"})
+    expected = codec.with_arrays({"samples": group.samples("toy")})["samples"]
+    group.finish("toy")
+    got = group.samples("toy")
+    assert [list(s) for s in got] == [list(s) for s in expected]  # the same keys, in the same order
+    for a, b in zip(got, expected):
+        for key in a:
+            assert type(a[key]) is type(b[key]), key
+            if isinstance(a[key], np.ndarray):
+                assert a[key].dtype == b[key].dtype and a[key].tolist() == b[key].tolist()
+                assert a[key].flags.writeable == b[key].flags.writeable
+            else:
+                assert a[key] == b[key], key
+    assert got[0]["prompt_token_ids"] is got[1]["prompt_token_ids"]  # one list object: converted once
+    assert got[3]["prompt_token_ids"].dtype == np.int64 and got[3]["completion_token_ids"] == [2**40, 1.5]
+    # A group whose info repeats a sample key is refused, as new_sample refuses it.
+    clash = Group(example=Example("p/1", "q"), group_id="g", completions=completions[:1], rewards=[1.0],
+                  reward_parts=[{}], advantages=[0.0], policy_versions=[3], info={"reward": 2.0})
+    with pytest.raises(TypeError):
+        clash.finish("toy")
+
+
+def test_gc_tuning_only_in_the_process_that_enables_it():
+    import gc
+    import subprocess
+    import sys
+
+    from services.sampler import gc_tuning
+
+    frozen = gc.get_freeze_count()
+    gc_tuning.settle()  # not enabled here (an app in a test process): nothing happens
+    assert gc.get_freeze_count() == frozen
+    code = ("import gc; from services.sampler import gc_tuning; gc_tuning.enable(); "
+            "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
+            "assert gc.get_threshold()[0] == gc_tuning.GEN0_THRESHOLD")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
