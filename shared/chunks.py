@@ -64,13 +64,14 @@ def gc_paused() -> Iterator[None]:
 
 
 def alloc(size: int) -> Any:
-    """A zeroed, writable buffer of `size` bytes. Large ones are anonymous mappings asking for
-    huge pages: first-touching a 1 GiB bytearray page by page cost ~0.6 s on the 2-core
-    machine (page faults), against ~0.2 s with huge pages, and a mapping goes back to the
-    system as soon as nothing uses it, where malloc'd memory may linger in the heap."""
+    """A zeroed, writable buffer of `size` bytes. Large ones are private anonymous mappings
+    asking for huge pages: first-touching 1 GiB page by page cost ~0.6-0.9 s on the 2-core
+    machine (page faults; a shared mapping, mmap's default, never gets huge pages), against
+    ~0.2 s with huge pages, and a mapping goes back to the system as soon as nothing uses it,
+    where malloc'd memory may linger in the heap."""
     if size < 1 << 20:
         return bytearray(size)
-    buf = mmap.mmap(-1, size)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)

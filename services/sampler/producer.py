@@ -329,7 +329,11 @@ class Producer:
                 # from them without touching each number); fresh groups made theirs when they
                 # finished (FreshGroups), so only reused or replayed samples are converted here.
                 payload = codec.with_arrays({"step": step, "samples": samples, "stats": stats})
-                return payload, packing.pack(step, payload["samples"], stats, self.chunk_bytes)
+                # In a worker thread: packing a large batch takes seconds, during which the
+                # event loop must go on answering (other ranks, /health, the inference traffic
+                # of other builds); the copies release the GIL.
+                packed = await asyncio.to_thread(packing.pack, step, payload["samples"], stats, self.chunk_bytes)
+                return payload, packed
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep producing; the error is surfaced in /status

@@ -31,11 +31,19 @@ def test_pipeline(tmp_path):
 def test_handoff(tmp_path):
     from bench import bench_handoff
 
-    result = bench_handoff.run(tmp_path, sizes=(64 * 1024,), reps={64 * 1024: 2}, everysec_sizes=(64 * 1024,))
-    assert {(r["encoding"], r["appendfsync"]) for r in _written(tmp_path, "handoff")["rows"]} == {
-        ("arrays", "always"), ("msgpack", "always"), ("json", "always"), ("arrays", "everysec")}
-    assert all(r["p50_ms"] > 0 and r["samples"] == 8 and r["reps"] == 2 for r in result["rows"])
-    assert result["durability_cost"][0]["p50_ms"]["everysec"] > 0
+    size = 64 * 1024
+    result = bench_handoff.run(tmp_path, sizes=(size,), reps={size: 2}, old_reps={size: 2}, old_sizes=(size,),
+                               everysec_sizes=(size,), ceiling_bytes=1 << 20)
+    rows = _written(tmp_path, "handoff")["rows"]
+    assert {(r["encoding"], r["world_size"], r["appendfsync"]) for r in rows} == {
+        ("frames", 1, "always"), ("frames", 8, "always"), ("arrays", 1, "always"), ("msgpack", 1, "always"),
+        ("json", 1, "always"), ("frames", 1, "everysec")}
+    for row in result["rows"]:
+        assert row["samples"] == 8 and row["reps"] == 2 and row["built_to_decoded_p50_s"] > 0
+        for key in ("batch_bytes", "sealed_to_decoded_p50_s", "share_p50_s", "sampler_rss_peak_bytes"):
+            assert row[key] is not None, key
+    assert result["durability_cost"][0]["sealed_to_decoded_p50_s"]["everysec"] is not None
+    assert result["ceilings"]["tcp_loopback"]["GB_per_s"] > 0
 
 
 def test_throughput(tmp_path):
