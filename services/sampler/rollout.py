@@ -21,7 +21,9 @@ import hashlib
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -437,33 +439,49 @@ class Rollouts:
 
 def summarize_batch(step: int, samples: list[dict[str, Any]], started_at: float, sealed_at: float) -> BatchStats:
     """The stats of batch `step` (the `stats` of its body), from its samples."""
-    rewards = np.array([s["reward"] for s in samples], dtype=float)
-    stale = [staleness(step, s["policy_version"]) for s in samples]
-    finish: dict[str, int] = {}
-    versions: dict[str, int] = {}
-    parts: dict[str, list[float]] = {}
-    for s in samples:
-        finish[s["finish_reason"]] = finish.get(s["finish_reason"], 0) + 1
-        key = str(s["policy_version"])
-        versions[key] = versions.get(key, 0) + 1
-        for name, value in s["rewards"].items():
-            parts.setdefault(name, []).append(value)
+    rewards = np.array(list(map(itemgetter("reward"), samples)), dtype=float)
+    policy_versions = list(map(itemgetter("policy_version"), samples))
+    # Per distinct version, not per sample: a batch holds a few.
+    by_version = {v: staleness(step, v) for v in set(policy_versions)}
+    stale = list(map(by_version.__getitem__, policy_versions))
+    finish = dict(Counter(map(itemgetter("finish_reason"), samples)))
+    version_counts = Counter(policy_versions)
+    if all(type(v) is int for v in version_counts):
+        versions = {str(v): count for v, count in version_counts.items()}
+    else:  # counted by their text, as the contract writes them
+        versions = dict(Counter(map(str, policy_versions)))
+    parts = _reward_parts(list(map(itemgetter("rewards"), samples)))
+    use_counts = [s.get("use_count", 1) for s in samples]
     return BatchStats(
         step=step,
         num_samples=len(samples),
-        num_groups=len({s["group_id"] for s in samples}),
+        num_groups=len(set(map(itemgetter("group_id"), samples))),
         staleness_mean=float(np.mean(stale)) if stale else 0.0,
         staleness_max=int(max(stale, default=0)),
         staleness_min=int(min(stale, default=0)),
         reward_mean=float(rewards.mean()) if len(rewards) else 0.0,
         reward_std=float(rewards.std()) if len(rewards) else 0.0,
         rewards_mean={k: float(np.mean(v)) for k, v in parts.items()},
-        completion_tokens_mean=float(np.mean([len(s["completion_token_ids"]) for s in samples])) if samples else 0.0,
+        completion_tokens_mean=(float(np.mean(list(map(len, map(itemgetter("completion_token_ids"), samples)))))
+                                if samples else 0.0),
         finish_reasons=finish,
         policy_versions=versions,
         generation_started_at=started_at,
         sealed_at=sealed_at,
         generation_seconds=sealed_at - started_at,
-        use_count_mean=float(np.mean([s.get("use_count", 1) for s in samples])) if samples else 0.0,
-        use_count_max=int(max((s.get("use_count", 1) for s in samples), default=0)),
+        use_count_mean=float(np.mean(use_counts)) if samples else 0.0,
+        use_count_max=int(max(use_counts, default=0)),
     )
+
+
+def _reward_parts(by_sample: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Each reward function's values over the samples, in order of first appearance."""
+    if by_sample:
+        names = by_sample[0].keys()
+        if all(d.keys() == names for d in by_sample):  # the usual batch: every sample has every part
+            return {name: [d[name] for d in by_sample] for name in names}
+    parts: dict[str, list[float]] = {}
+    for d in by_sample:
+        for name, value in d.items():
+            parts.setdefault(name, []).append(value)
+    return parts

@@ -39,6 +39,8 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from itertools import repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,7 @@ def schema():  # -> pyarrow.Schema; pyarrow is imported lazily (only a sampler t
 
 
 _KNOWN = frozenset(_COLUMNS)
+_ABSENT = object()
 _EXTRA_JSON = json.JSONEncoder(default=str)  # json.dumps(x, default=str) without a new encoder per call
 _MEMO_TYPES = (str, int, bool, type(None))
 # Building a table yields to the event loop whenever it has run this long without a break.
@@ -96,6 +99,35 @@ _SETTLE_SECONDS = 0.02
 
 def _extras(samples: list[dict[str, Any]]) -> list[str | None]:
     """The `extra` column: JSON of each sample's keys without a column of their own, or None."""
+    extra_keys = set().union(*samples) - _KNOWN
+    if not extra_keys:
+        return [None] * len(samples)
+    if len(extra_keys) == 1:  # the usual batch: one extra key (the lesson), in every sample or not
+        (key,) = extra_keys
+        return _one_extra(key, samples)
+    return _extras_of(samples)
+
+
+def _one_extra(key: Any, samples: list[dict[str, Any]]) -> list[str | None]:
+    """`_extras_of(samples)` for samples whose one key without a column, if any, is `key`."""
+    out: list[str | None] = []
+    memo: dict[tuple, str] = {}
+    keyed = type(key) is str
+    for value in [s.get(key, _ABSENT) for s in samples]:
+        if value is _ABSENT:
+            out.append(None)
+        elif keyed and type(value) in _MEMO_TYPES:
+            one = (type(value), value)
+            text = memo.get(one)
+            if text is None:
+                text = memo[one] = _EXTRA_JSON.encode({key: value})
+            out.append(text)
+        else:
+            out.append(_EXTRA_JSON.encode({key: value}))
+    return out
+
+
+def _extras_of(samples: list[dict[str, Any]]) -> list[str | None]:
     out: list[str | None] = []
     # Samples of a batch mostly share their extras (e.g. the lesson): encode each distinct one
     # once. Only str keys and str/int/bool/None values are remembered, with their types, so
@@ -138,7 +170,9 @@ def _column(payload: dict[str, Any], name: str) -> list[Any]:
     if name == "step":
         return [step] * len(samples)
     if name == "staleness":
-        return [staleness(step, s["policy_version"]) for s in samples]
+        versions = list(map(itemgetter("policy_version"), samples))
+        by_version = {v: staleness(step, v) for v in set(versions)}  # a batch holds a few versions
+        return list(map(by_version.__getitem__, versions))
     if name == "sealed_at":
         return [payload.get("stats", {}).get("sealed_at")] * len(samples)
     if name == "extra":
@@ -168,10 +202,10 @@ def _list_array(values: list[Any], type_: Any):  # -> pyarrow.ListArray
     import numpy as np
     import pyarrow as pa
 
-    if not values or not all(isinstance(v, np.ndarray) for v in values):
+    if not values or not all(map(isinstance, values, repeat(np.ndarray))):
         return pa.array(values, type=type_)
     offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum([len(v) for v in values], out=offsets[1:])
+    np.cumsum(list(map(len, values)), out=offsets[1:])
     flat = pa.array(np.concatenate(values), type=type_.value_type)  # checked cast, as for lists
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), flat, type=type_)
 

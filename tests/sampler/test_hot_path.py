@@ -381,3 +381,47 @@ def test_gc_tuning_only_in_the_process_that_enables_it():
             "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
             "assert gc.get_threshold()[0] == gc_tuning.GEN0_THRESHOLD")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_rollout_table_with_one_extra_key_of_every_kind():
+    payload = {**awkward_payload(), "samples": [sample(i) for i in range(12)]}
+    values = [1, True, 1.0, -0.0, math.nan, None, [1, {"b": 2}], "toy", "toy", object()]
+    for s, value in zip(payload["samples"], values):
+        s["lesson"] = value
+    del payload["samples"][10]["lesson"]
+    table = to_table(payload)
+    assert table.equals(reference_table(payload), check_metadata=True)
+    extras = table.column("extra").to_pylist()
+    assert extras[:4] == ['{"lesson": 1}', '{"lesson": true}', '{"lesson": 1.0}', '{"lesson": -0.0}']
+    assert extras[10] is None and extras[11] == '{"lesson": "toy"}'
+    for s in payload["samples"]:
+        s.pop("lesson", None)
+    assert to_table(payload).column("extra").to_pylist() == [None] * 12
+
+
+def test_summarize_batch_counts_every_sample():
+    from services.sampler.rollout import summarize_batch
+
+    samples = [sample(i, reward=float(i % 3), policy_version=[2, 3, 2, 1][i % 4], finish_reason=["stop", "length"][i % 2],
+                      rewards={"correct": float(i % 3)} if i % 5 else {"format": 0.5, "correct": 1.0},
+                      completion_token_ids=[7] * (i % 6), use_count=1 + i % 2)
+               for i in range(40)]
+    del samples[3]["use_count"]
+    stats = summarize_batch(3, samples, 10.0, 12.5)
+    rewards = [s["reward"] for s in samples]
+    stale = [3 - s["policy_version"] for s in samples]
+    assert stats.num_samples == 40 and stats.num_groups == 10
+    assert stats.reward_mean == float(np.mean(rewards)) and stats.reward_std == float(np.std(rewards))
+    assert (stats.staleness_mean, stats.staleness_max, stats.staleness_min) == (float(np.mean(stale)), 2, 0)
+    assert stats.finish_reasons == {"stop": 20, "length": 20} and list(stats.finish_reasons) == ["stop", "length"]
+    assert stats.policy_versions == {"2": 20, "3": 10, "1": 10} and list(stats.policy_versions) == ["2", "3", "1"]
+    correct = [s["rewards"]["correct"] for s in samples]
+    assert stats.rewards_mean == {"format": 0.5, "correct": float(np.mean(correct))}
+    assert list(stats.rewards_mean) == ["format", "correct"]  # first appearance (sample 0 has both)
+    assert stats.completion_tokens_mean == float(np.mean([i % 6 for i in range(40)]))
+    uses = [s.get("use_count", 1) for s in samples]
+    assert stats.use_count_mean == float(np.mean(uses)) and stats.use_count_max == 2
+    same = summarize_batch(3, [sample(i) for i in range(8)], 0.0, 1.0)
+    assert same.rewards_mean == {"correct": 0.5} and same.policy_versions == {"2": 8}
+    empty = summarize_batch(3, [], 0.0, 1.0)
+    assert empty.num_samples == 0 and empty.rewards_mean == {} and empty.completion_tokens_mean == 0.0
