@@ -45,6 +45,7 @@ from shared.codec import ARRAY_FIELDS, EXT_DTYPES, FRAMES, _typed  # noqa: F401 
 
 CHUNK_MAGIC, FRAME_MAGIC = b"TCK1", b"TBT1"
 _PREFIX = struct.Struct("<4sI")
+# dtype -> ext code; the little-endian dtypes compare (and hash) equal to native ones here.
 _CODES = {dtype: code for code, dtype in EXT_DTYPES.items()}
 _I8 = np.dtype("<i8")
 
@@ -114,7 +115,7 @@ def _array_column(values: list[Any], codes: tuple[str, ...]) -> list[np.ndarray]
     out = []
     for value in values:
         if isinstance(value, np.ndarray):
-            if value.ndim != 1 or value.dtype.newbyteorder("<") not in _CODES:
+            if value.ndim != 1 or value.dtype not in _CODES:
                 return None
             out.append(value)
         elif type(value) is list:

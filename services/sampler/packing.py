@@ -47,13 +47,20 @@ class SealedBatch:
         return cls(step, fields[b"build"].decode(), json.loads(fields[b"stats"]), table)
 
 
+_SIZED = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "loss_mask",
+          "prompt_text", "completion_text")
+
+
 def _approx_bytes(sample: dict[str, Any]) -> int:
-    size = 64
-    for value in sample.values():
-        if isinstance(value, np.ndarray):
-            size += value.nbytes
-        elif isinstance(value, (list, str, bytes)):
-            size += 8 * len(value) if isinstance(value, list) else len(value)
+    """About what `sample` takes in a chunk: its token arrays and texts (the rest is small)."""
+    size = 256
+    for key in _SIZED:
+        value = sample.get(key)
+        if value is not None:
+            if isinstance(value, np.ndarray):
+                size += value.nbytes
+            else:
+                size += len(value) * (1 if isinstance(value, str) else 8)
     return size
 
 

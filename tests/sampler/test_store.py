@@ -203,3 +203,22 @@ async def test_trim_keeps_every_batch_from_the_trainers_resume_step(redis, names
     assert await store.sealed_steps() == [5, 6, 7]
     assert await store.trim_below(6) == 1  # no resume step (an older trainer): keep_batches alone
     assert await store.sealed_steps() == [6, 7]
+
+
+async def test_a_batch_sealed_before_chunks_is_still_served_and_trimmed(redis, namespace):
+    """A run upgraded mid-way: a batch an older sampler sealed as one arrays-form string."""
+    from shared import codec
+
+    keys = Keys(namespace)
+    samples = _samples(0, groups=2)
+    await redis.set(keys.batch(0), codec.pack_arrays({"step": 0, "samples": samples, "stats": {"step": 0}}))
+    await redis.zadd(keys.sealed, {"0": 0})
+    store = Store(redis, keys)
+    batch = await store.get_batch(0)
+    assert batch.stats == {"step": 0} and batch.num_samples == len(samples)
+    got = [s for c in batch.chunks for s in samples_of(decode_chunk(c))]
+    assert [s["completion_token_ids"].tolist() for s in got] == [s["completion_token_ids"] for s in samples]
+    assert await store.seal(0, _batch(0)) == 0  # sealed already: the old batch stands
+    assert await redis.type(keys.batch(0)) == b"string" and await _keys(redis, keys, 0) == [keys.batch(0).encode()]
+    assert await store.trim_below(1) == 1
+    assert await _keys(redis, keys, 0) == []
