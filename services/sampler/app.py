@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
@@ -160,8 +161,14 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         rollout_log = None
         if settings.rollout_log:
             # Each file waits for its batch's hand-off to a trainer, at most a second.
-            rollout_log = RolloutLog(
-                settings.run_dir / "rollouts", wait_for_handoff=lambda step: store.wait_served(step, 1.0))
+            async def held_chunks(step: int) -> list[Any] | None:
+                # The chunks this process sealed, when it still holds them (no chunk is read from Redis).
+                batch = await store.manifest(step)
+                return None if batch is None else batch.chunks
+
+            rollout_log = RolloutLog(settings.run_dir / "rollouts", wait_for_handoff=lambda step: store.wait_served(step, 1.0),
+                                     sealed_chunks=held_chunks)
+            rollout_log.preload()
             producer.on_sealed.append(rollout_log.on_sealed)
         state = SamplerState(settings=settings, redis=redis, redis_url=redis_url, embedded=embedded, link=link,
                              drill=drill, store=store,

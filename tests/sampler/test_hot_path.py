@@ -425,3 +425,60 @@ def test_summarize_batch_counts_every_sample():
     assert same.rewards_mean == {"correct": 0.5} and same.policy_versions == {"2": 8}
     empty = summarize_batch(3, [], 0.0, 1.0)
     assert empty.num_samples == 0 and empty.rewards_mean == {} and empty.completion_tokens_mean == 0.0
+
+
+def test_rollout_table_from_the_sealed_chunks_is_the_same_table():
+    from services.sampler import packing
+    from shared import codec
+
+    plain = {**awkward_payload(), "samples": [sample(i) for i in range(24)]}
+    for payload in (plain, codec.with_arrays(plain)):
+        for chunk_bytes in (packing.DEFAULT_CHUNK_BYTES, 600):  # one chunk; a chunk per group or two
+            sealed = packing.pack(payload["step"], payload["samples"], payload["stats"], chunk_bytes)
+            table = rollout_log.chunk_table(payload, sealed.chunks)
+            assert table is not None and table.equals(to_table(payload), check_metadata=True)
+        assert len(sealed.chunks) > 1
+    kinds = {**plain, "samples": [sample(i, reward=i % 2, created_at=7, use_count=2, completion_text=None,
+                                          rewards={"b": 1, "a": 0.5}, lesson=3) for i in range(8)]}
+    table = rollout_log.chunk_table(kinds, packing.pack(3, kinds["samples"], kinds["stats"]).chunks)
+    assert table is not None and table.equals(to_table(kinds), check_metadata=True)
+    # The samples decide when the chunks cannot say it all: a key some samples lack, several
+    # extra keys (their order within a sample), chunks of other samples, values the schema refuses.
+    awkward = awkward_payload()
+    awkward["samples"][9].pop("obj")
+    for odd in (awkward, {**plain, "samples": [sample(i, z=1, a=2) for i in range(4)]}):
+        assert rollout_log.chunk_table(odd, packing.pack(3, odd["samples"], odd["stats"]).chunks) is None
+    assert rollout_log.chunk_table(plain, packing.pack(3, plain["samples"][:4], {}).chunks) is None
+    too_big = {**plain, "samples": [sample(i, sample_index=2**40) for i in range(4)]}
+    assert rollout_log.chunk_table(too_big, packing.pack(3, too_big["samples"], {}).chunks) is None
+
+
+async def test_rollout_log_hook_builds_from_the_sealed_chunks_or_else_the_samples(tmp_path, monkeypatch):
+    from services.sampler import packing
+
+    payload = {**awkward_payload(), "samples": [sample(i) for i in range(24)]}
+    sealed = packing.pack(3, payload["samples"], payload["stats"], 600)
+    asked = []
+
+    async def held(step):
+        asked.append(step)
+        return sealed.chunks
+
+    async def gone(step):
+        raise ConnectionError("redis away")
+
+    expected = reference_table(payload).to_pylist()
+    from_samples = rollout_log._arrays
+    for n, source in enumerate((held, gone, None)):
+        if source is held:  # the chunks alone make this table
+            monkeypatch.setattr(rollout_log, "_arrays", None)
+        log = RolloutLog(tmp_path / f"r{n}", sealed_chunks=source)
+        await log.on_sealed(payload)
+        monkeypatch.setattr(rollout_log, "_arrays", from_samples)
+        assert pq.read_table(tmp_path / f"r{n}" / "step-000003.parquet").to_pylist() == expected
+    assert asked == [3]
+    # Chunks that do not hold these samples: the samples are used.
+    log = RolloutLog(tmp_path / "other", sealed_chunks=held)
+    sealed = packing.pack(3, payload["samples"][:4], {})
+    await log.on_sealed(payload)
+    assert pq.read_table(tmp_path / "other" / "step-000003.parquet").to_pylist() == expected
