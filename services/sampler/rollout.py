@@ -148,29 +148,33 @@ class Group:
 
     def _typed_samples(self, env_name: str) -> list[dict[str, Any]]:
         """`codec.with_arrays({"samples": self.samples(env_name)})["samples"]`, built in one pass:
-        no list-form sample to copy, the group's prompt converted once when its completions
-        share the prompt's list, and one all-ones loss mask per length."""
+        no list-form sample to copy, each token field of the group converted in one step
+        (`codec.typed_fields`; a prompt list shared by completions once), and one all-ones
+        loss mask per length."""
         info = self.info
         if not _SAMPLE_KEYS.isdisjoint(info) or any(c.metrics and "metrics" in info for c in self.completions):
             # A key given twice: new_sample refuses it, as it always has.
             return codec.with_arrays({"samples": self.samples(env_name)})["samples"]
-        typed, ones = codec.typed_field, codec.ones_mask
+        typed, typed_all, ones = codec.typed_field, codec.typed_fields, codec.ones_mask
         prompt_id, prompt_text, group_id = self.example.prompt_id, self.example.prompt, self.group_id
         rewards, parts, advantages, versions = self.rewards, self.reward_parts, self.advantages, self.policy_versions
-        prompt_list: Any = None
-        prompt_array: Any = None
+        completions = self.completions
+        # Each field of the group in one conversion (a list object shared by completions once).
+        prompts: dict[int, Any] = {}
+        for c in completions:
+            prompts.setdefault(id(c.prompt_token_ids), c.prompt_token_ids)
+        prompt_arrays = dict(zip(prompts, typed_all("prompt_token_ids", list(prompts.values()))))
+        token_arrays = typed_all("completion_token_ids", [c.token_ids for c in completions])
+        logprob_arrays = typed_all("completion_logprobs", [c.logprobs for c in completions])
         out = []
-        for i, c in enumerate(self.completions):
-            if c.prompt_token_ids is not prompt_list:
-                prompt_list = c.prompt_token_ids
-                prompt_array = typed("prompt_token_ids", prompt_list)
+        for i, c in enumerate(completions):
             token_ids = c.token_ids
             sample = {
                 "prompt_id": prompt_id,
                 "group_id": group_id,
-                "prompt_token_ids": prompt_array,
-                "completion_token_ids": typed("completion_token_ids", token_ids),
-                "completion_logprobs": typed("completion_logprobs", c.logprobs),
+                "prompt_token_ids": prompt_arrays[id(c.prompt_token_ids)],
+                "completion_token_ids": token_arrays[i],
+                "completion_logprobs": logprob_arrays[i],
                 "loss_mask": ones(len(token_ids)) if c.loss_mask is None else typed("loss_mask", c.loss_mask),
                 "reward": rewards[i],
                 "rewards": parts[i],

@@ -482,3 +482,27 @@ async def test_rollout_log_hook_builds_from_the_sealed_chunks_or_else_the_sample
     sealed = packing.pack(3, payload["samples"][:4], {})
     await log.on_sealed(payload)
     assert pq.read_table(tmp_path / "other" / "step-000003.parquet").to_pylist() == expected
+
+
+def test_typed_fields_is_typed_field_for_each():
+    from shared import codec
+
+    cases = [
+        ("completion_token_ids", [[1, 2], [], [3], [4, 5, 6]]),
+        ("completion_token_ids", [[1, 2], [2**40], [3]]),  # one needs int64: each its own
+        ("completion_token_ids", [[1, 2], [None], [3.5]]),  # lists that stay lists
+        ("completion_token_ids", [[1, 2], (3, 4), np.array([5], np.int64)]),  # not all lists
+        ("completion_logprobs", [[-0.5, -1], [0.0], []]),
+        ("completion_logprobs", [[-0.5], [None, -1.0]]),
+        ("prompt_token_ids", [[7, 8, 9]]),
+        ("versions", [[1], [2]]),  # not a token field: as they are
+    ]
+    for name, values in cases:
+        got, want = codec.typed_fields(name, values), [codec.typed_field(name, v) for v in values]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert type(a) is type(b)
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and a.tolist() == b.tolist() and a.flags.writeable == b.flags.writeable
+            else:
+                assert a == b
