@@ -30,7 +30,7 @@ import numpy as np
 
 from services.sampler.advantages import NonFiniteAdvantages, group_advantages
 from services.sampler.completions import parse_completions
-from services.sampler.envs.base import Completion, Environment, Example, gather_now
+from services.sampler.envs.base import Completion, Environment, Example, score_all
 from services.sampler.envs.multiturn import MultiTurnEnvironment
 from services.sampler.inference_pool import InferenceError, InferencePool, InferenceRequestError
 from services.sampler.multiturn.render import ChatRenderer
@@ -419,8 +419,8 @@ class Rollouts:
 
             try:
                 completions = await self.env.rollout(generate, example, n, **sampling)
-                # Most scores finish without suspending: no task per completion for those.
-                scored = await gather_now([self.env.score(example, c) for c in completions], timeout=self.env_timeout)
+                # Most scores finish without suspending: no task (nor coroutine) per completion for those.
+                scored = await score_all(self.env, example, completions, timeout=self.env_timeout)
                 return completions, scored
             except (InferenceError, asyncio.CancelledError):
                 raise

@@ -506,3 +506,59 @@ def test_typed_fields_is_typed_field_for_each():
                 assert a.dtype == b.dtype and a.tolist() == b.tolist() and a.flags.writeable == b.flags.writeable
             else:
                 assert a == b
+
+
+async def test_score_all_is_gather_now_of_score():
+    from services.sampler.envs.base import score_all
+
+    async def right(example, completion):
+        return float(completion.text == example.answer)
+
+    async def length(example, completion):
+        if completion.text == "slow":
+            await asyncio.sleep(0.001)
+        return len(completion.text)
+
+    def plain(example, completion):  # a synchronous reward (run inline: no workers set)
+        return 0.25
+
+    class Env(Environment):
+        rewards = (Reward("right", right, 2.0), Reward("length", length, 0.5), Reward("plain", plain, 1.0))
+
+    class Own(Env):
+        async def score(self, example, completion):
+            total, parts = await super().score(example, completion)
+            return total + 1, parts
+
+    example = Example("p/1", "q", answer="ab")
+    completions = [Completion(text=t, prompt_token_ids=[1], token_ids=[2], logprobs=[0.0], finish_reason="stop")
+                   for t in ("ab", "slow", "", "ab")]
+    for env in (Env(), Own()):
+        want = await gather_now([env.score(example, c) for c in completions])
+        assert await score_all(env, example, completions, timeout=5) == want
+    assert (await score_all(Env(), example, completions))[1] == (0.5 * 4 + 0.25, {"right": 0.0, "length": 4.0, "plain": 0.25})
+
+    seen = []
+
+    async def boom(example, completion):
+        seen.append(completion.text)
+        if completion.text == "boom":
+            raise ValueError("reward failed")
+        if completion.text == "slow":
+            await asyncio.sleep(10)
+        return 1.0
+
+    class Failing(Environment):
+        rewards = (Reward("boom", boom),)
+
+    bad = [Completion(text=t, prompt_token_ids=[1], token_ids=[2], logprobs=[0.0], finish_reason="stop")
+           for t in ("slow", "boom", "never")]
+    with pytest.raises(ValueError, match="reward failed"):
+        await score_all(Failing(), example, bad)
+    assert seen == ["slow", "boom"]  # the first error stops it, as with gather
+
+    class Slow(Environment):
+        rewards = (Reward("boom", boom),)
+
+    with pytest.raises(asyncio.TimeoutError):
+        await score_all(Slow(), example, bad[:1], timeout=0.05)

@@ -164,6 +164,39 @@ async def _finish_pending(results: list[Any], pending: list[tuple[int, Awaitable
         results[i] = value
 
 
+def _weighted(rewards: Sequence[Reward], values: list[Any]) -> tuple[float, dict[str, float]]:
+    by_name = {r.name: float(v) for r, v in zip(rewards, values)}
+    total = sum(r.weight * by_name[r.name] for r in rewards)
+    return float(total), by_name
+
+
+async def score_all(env: Environment, example: Example, completions: Sequence[Completion],
+                    timeout: float | None = None) -> list[tuple[float, dict[str, float]]]:
+    """`gather_now([env.score(example, c) for c in completions], timeout)`. For an environment
+    that keeps the base class's `score`, each completion is scored by a plain call as far as
+    its rewards go without suspending (no coroutine per completion); only the rest is awaited."""
+    if type(env).score is not Environment.score:
+        return await gather_now([env.score(example, c) for c in completions], timeout=timeout)
+    results: list[Any] = [None] * len(completions)
+    pending: list[tuple[int, Awaitable[Any]]] = []
+    try:
+        for i, completion in enumerate(completions):
+            done, value = env._score_start(example, completion)
+            if done:
+                results[i] = value
+            else:
+                pending.append((i, value))
+    except BaseException:
+        # As gather_now: the first exception wins, the later completions are not scored, and
+        # the scores already waiting are closed.
+        for _, aw in pending:
+            _close(aw)
+        raise
+    if pending:
+        await _finish_pending(results, pending, timeout)
+    return results
+
+
 def _close(aw: Any) -> None:
     target = aw.coro if isinstance(aw, _Resume) else aw
     if asyncio.iscoroutine(target) and hasattr(target, "close"):
@@ -192,15 +225,24 @@ class Environment:
 
     async def score(self, example: Example, completion: Completion) -> tuple[float, dict[str, float]]:
         """Weighted sum of the reward functions, and each one's raw value by name."""
+        done, value = self._score_start(example, completion)
+        return value if done else await value
+
+    def _score_start(self, example: Example, completion: Completion) -> tuple[bool, Any]:
+        """`score` run as far as it goes without suspending: (True, its result) when every
+        reward finished on the spot, else (False, an awaitable of the result). `score_all`
+        calls it directly, without a coroutine per completion."""
         rewards = self.rewards
-        # gather_now's steps inline: one coroutine less per completion on the hot path.
         values, pending = _start_all([r.fn(example, completion) if r.is_async else self._call_sync(r.fn, example, completion)
                                       for r in rewards])
         if pending:
-            await _finish_pending(values, pending, None)
-        by_name = {r.name: float(v) for r, v in zip(rewards, values)}
-        total = sum(r.weight * by_name[r.name] for r in rewards)
-        return float(total), by_name
+            return False, self._score_rest(rewards, values, pending)
+        return True, _weighted(rewards, values)
+
+    async def _score_rest(self, rewards: Sequence[Reward], values: list[Any],
+                          pending: list[tuple[int, Awaitable[Any]]]) -> tuple[float, dict[str, float]]:
+        await _finish_pending(values, pending, None)
+        return _weighted(rewards, values)
 
     async def _call_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.workers is None:
