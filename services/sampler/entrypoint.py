@@ -40,6 +40,13 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings, env, strategy)
+    if settings.rollout_log:
+        # Its modules (pyarrow and pandas, ~0.3 s) now, not in a worker thread that competes for
+        # the GIL with the first batches (it took ~1 s of wall time there) and then still needs
+        # its own freeze.
+        from services.sampler.rollout_log import load_modules
+
+        load_modules()
     # Everything imported and built so far lives as long as the process: out of the collector's way.
     gc_tuning.enable()
 

@@ -7,11 +7,11 @@ imported pyarrow and, through it, pandas). Under `bench throughput` (64 x 16 com
 batch) the sampler ran a full collection every ~6 batches at ~80 ms each, and spent ~18% of
 its CPU in the collector in all.
 
-* `gc.freeze()` once start-up is done (and again when the rollout log has imported its
-  modules) moves those objects to the permanent generation, which collections skip. It does
-  not keep anything alive: a frozen object that loses its last reference is freed as usual;
-  only a reference cycle among frozen objects is never collected, and the objects alive at
-  those two moments are the app itself.
+* `gc.freeze()` once start-up is done (the entrypoint imports the rollout log's modules
+  before it; were they imported later, `settle` freezes them then) moves those objects to the
+  permanent generation, which collections skip. It does not keep anything alive: a frozen
+  object that loses its last reference is freed as usual; only a reference cycle among
+  frozen objects is never collected, and the objects alive at that moment are the app itself.
 * A larger generation-0 threshold: the default (700 allocations) runs a young collection
   every few groups of a batch, each examining objects that are mostly still in use (the
   samples of the batch being built).

@@ -25,8 +25,9 @@ encoding, compression and disk I/O (which release the GIL) to a worker thread
 (`asyncio.to_thread`). Converting Python objects in the worker thread instead, as an
 earlier version did, holds the GIL there while the event loop needs it after every socket
 read and write; under `bench throughput` that contention cost the event loop more CPU
-than the conversion itself. pyarrow (and, through it, pandas) is imported in a worker thread
-when the sampler starts (`preload`; else at the first batch).
+than the conversion itself. pyarrow (and, through it, pandas) is imported before `tandem
+sampler` serves (entrypoint.py); an app served in another process imports it in a worker
+thread when it starts (`preload`).
 
 Each batch gets its own file right after its hand-off (nothing is buffered across batches,
 so the file layout above holds; files trail the seals by at most about a second). A process
@@ -41,6 +42,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from itertools import repeat
 from operator import itemgetter
@@ -356,16 +358,18 @@ def _chunk_arrays(payload: dict[str, Any], cols: Any) -> list[Any] | None:
     return out
 
 
-def _load_pyarrow() -> None:
+def load_modules() -> None:
     """Import pyarrow and run one conversion (its first one imports pandas): ~0.3 s of CPU
     that the first batch would otherwise spend on the event loop. The ~35k objects those
     modules add are then frozen out of the collector's way, in the `tandem sampler` process
     (gc_tuning.py)."""
+    fresh = "pyarrow.parquet" not in sys.modules
     import pyarrow as pa
     import pyarrow.parquet  # noqa: F401
 
     pa.array([0], type=pa.int64())
-    gc_tuning.settle()
+    if fresh:
+        gc_tuning.settle()
 
 
 class RolloutLog:
@@ -412,7 +416,7 @@ class RolloutLog:
         """Start importing pyarrow in a worker thread now (the sampler's start-up), so that the
         first batch does not wait for it, nor spend its ~0.3 s of CPU among the first batches."""
         if self._loading is None:
-            self._loading = asyncio.get_running_loop().run_in_executor(None, _load_pyarrow)
+            self._loading = asyncio.get_running_loop().run_in_executor(None, load_modules)
             self._loading.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen at the first batch
 
     async def _load(self) -> None:
