@@ -158,16 +158,19 @@ def ones_mask(count: int) -> np.ndarray:
 def with_arrays(batch: dict[str, Any]) -> dict[str, Any]:
     """`batch` with each sample's `ARRAY_FIELDS` lists as read-only numpy arrays (a list no
     type holds exactly stays a list): what `pack_arrays` sends and `unpack` gives back.
-    New batch and sample dicts; the input is not modified."""
+    A new batch dict, and a new dict for each sample with a list to convert (a sample with
+    none is the same dict); the input is not modified."""
     samples = batch.get("samples")
     if not isinstance(samples, list):
         return batch
     typed_samples = []
     for sample in samples:
-        typed = dict(sample)
+        typed = sample
         for field, codes in ARRAY_FIELDS.items():
-            values = typed.get(field)
+            values = sample.get(field)
             if type(values) is list:
+                if typed is sample:
+                    typed = dict(sample)
                 typed[field] = _typed(values, codes)
         typed_samples.append(typed)
     return {**batch, "samples": typed_samples}
