@@ -115,7 +115,8 @@ def _array_column(values: list[Any], codes: tuple[str, ...]) -> list[np.ndarray]
     out = []
     for value in values:
         if isinstance(value, np.ndarray):
-            if value.ndim != 1 or value.dtype not in _CODES:
+            # (A big-endian array is accepted too; its chunk column is little-endian.)
+            if value.ndim != 1 or (value.dtype not in _CODES and value.dtype.newbyteorder("<") not in _CODES):
                 return None
             out.append(value)
         elif type(value) is list:

@@ -64,6 +64,14 @@ def _approx_bytes(sample: dict[str, Any]) -> int:
     return size
 
 
+def estimate_bytes(samples: list[dict[str, Any]]) -> int:
+    """About how large `samples` pack, from the first few (without touching every sample)."""
+    if not samples:
+        return 0
+    head = samples[:8]
+    return sum(_approx_bytes(s) for s in head) * len(samples) // len(head)
+
+
 def group_runs(samples: list[dict[str, Any]], chunk_bytes: int) -> list[tuple[int, int]]:
     """[start, stop) sample ranges of about `chunk_bytes`, cut only where group_id changes."""
     runs = []
