@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -28,11 +29,18 @@ async def drive(url: str, steps: int, *, checkpoint: str | None = None, train_se
     return batches
 
 
-async def publish_mid_batch(http: httpx.AsyncClient, settle: float, timeout: float) -> list[dict[str, Any]]:
+async def publish_mid_batch(http: httpx.AsyncClient, settle: float, timeout: float,
+                            started: Callable[[], Awaitable[bool]] | None = None) -> list[dict[str, Any]]:
     """Publish version 1 `settle` seconds after the sampler starts building (batches 0 and 1, both
     allowed on version 0, are then mid-trajectory), then take batch 0: its samples, and those of
-    them sampled by both versions (`versions` [0, 1], `policy_version` 0: the oldest)."""
+    them sampled by both versions (`versions` [0, 1], `policy_version` 0: the oldest).
+
+    `started`: the publication also waits until it says every trajectory of batch 0 has made its
+    first model call (one that had not would be sampled by version 1 alone, newer than batch 0
+    allows, and fail the batch): a fixed `settle` alone races with a slow start."""
     while not (await http.get("/status")).json()["steps"]["in_progress"]:
+        await asyncio.sleep(0.02)
+    while started is not None and not await started():
         await asyncio.sleep(0.02)
     await asyncio.sleep(settle)
     assert (await http.post("/weights_version", json={"version": 1})).status_code == 200

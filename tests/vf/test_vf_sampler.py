@@ -199,7 +199,13 @@ async def test_a_weight_sync_in_the_middle_of_episodes_shows_in_their_versions(m
                                inference_urls=[slow.url], max_staleness=1, vf_tokenizer=str(byte_tokenizer),
                                drain_deadline=0)  # at the end, batches still in flight need not seal
         async with httpx.AsyncClient(base_url=sampler.url, timeout=60) as http:
-            straddling = await publish_mid_batch(http, settle=0.6, timeout=60)
+            async def all_started() -> bool:
+                # Batches 0 and 1 build at once, 16 episodes each; a session (trace id) is
+                # recorded when an episode's first model call arrives.
+                stats = (await http.get(f"{slow.url}/_standin/stats")).json()
+                return len(stats["sessions"]) >= 32
+
+            straddling = await publish_mid_batch(http, settle=0.1, timeout=60, started=all_started)
         # Three model turns each (the stand-in may answer a turn with no token at all: then the
         # first sampled token, where the completion starts, is in a later turn).
         assert all(bytes(s["prompt_token_ids"] + s["completion_token_ids"]).decode().count("<|im_start|>user\nagain")
