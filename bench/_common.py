@@ -127,9 +127,9 @@ async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: st
     from shared.chunks import FRAMES, decode_frame
 
     records: list[dict[str, Any]] = []
-    # By default the arrays form (msgpack with typed arrays, which the sampler transcodes from
-    # its stored chunks); SamplerClient asks for FRAMES, the stored chunks as they are.
-    headers = {"Accept": accept or codec.ARRAYS}
+    # By default FRAMES, the stored chunks as they are, as SamplerClient asks; another form
+    # (codec.ARRAYS, msgpack, JSON) is transcoded by the sampler, which costs it CPU.
+    headers = {"Accept": accept or FRAMES}
     give_up = time.monotonic() + deadline_s
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0, read=60.0)) as http:
         for step in range(steps):
