@@ -117,6 +117,28 @@ def _code_state() -> dict[str, Any]:
             "uncommitted_diff_sha1": hashlib.sha1(diff.encode()).hexdigest() if diff else None}
 
 
+def _median_range(x: dict[str, float], fmt: str = "{:g}") -> str:
+    """A {median, min, max} summary as "median (min-max)"."""
+    return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
+
+
+def _run_header(r: dict[str, Any], bench_seconds: float) -> list[str]:
+    """The markdown lines saying how a run was made: the command, the machine and its load,
+    and the code measured (`_code_state`), flagged when it changed during the run."""
+    code = r["code"]
+    return [
+        f"`{r['command']}`. Machine: {r['host']['cpus']} CPUs shared by every process of the bench (and other "
+        f"work: 1-minute load average {r['host']['loadavg_1m_at_start']} before, {r['host']['loadavg_1m_at_end']} "
+        f"after). Python {r['host']['python']}. Whole bench {bench_seconds} s.",
+        "",
+        f"Code: commit {code['head'][:12]}"
+        + (f" with uncommitted changes to {', '.join(code['uncommitted_files'])} (diff sha1 "
+           f"{code['uncommitted_diff_sha1'][:12]})" if code["uncommitted_files"] else ", services/ and shared/ clean")
+        + (". **The code changed during the run: these numbers mix two versions.**" if code["changed_during_run"]
+           else "."),
+    ]
+
+
 def _env_args(turns: int) -> dict[str, int]:
     # Four-digit numbers and 2048 training conversations at every turn count: parity_dialogue's
     # defaults (one-digit numbers, 512) give only 10 distinct one-turn conversations, and a
@@ -533,21 +555,11 @@ def _reading(r: dict[str, Any]) -> list[str]:
 def _markdown(r: dict[str, Any]) -> str:
     s, d, setup = r["part1_summary"], r["derived"], r["setup"]
 
-    def mmm(x: dict[str, float], fmt: str = "{:g}") -> str:
-        return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
-
+    mmm = _median_range
     lines = [
         "# Multi-turn rollouts: sampler CPU per turn, and time to a sealed batch",
         "",
-        f"`{r['command']}`. Machine: {r['host']['cpus']} CPUs shared by every process of the bench (and other "
-        f"work: 1-minute load average {r['host']['loadavg_1m_at_start']} before, {r['host']['loadavg_1m_at_end']} "
-        f"after). Python {r['host']['python']}. Whole bench {r['bench_seconds']['total']} s.",
-        "",
-        f"Code: commit {r['code']['head'][:12]}"
-        + (f" with uncommitted changes to {', '.join(r['code']['uncommitted_files'])} (diff sha1 "
-           f"{r['code']['uncommitted_diff_sha1'][:12]})" if r["code"]["uncommitted_files"] else ", services/ and shared/ clean")
-        + (". **The code changed during the run: these numbers mix two versions.**" if r["code"]["changed_during_run"]
-           else "."),
+        *_run_header(r, r["bench_seconds"]["total"]),
         "",
         "## 1. Sampler CPU per model turn (instantaneous stand-in)",
         "",

@@ -65,7 +65,7 @@ from typing import Any
 import httpx
 
 from bench._common import REPO, CLK_TCK, cpu_seconds, host, median, redis_server, sampler_process, standin_process, write_results
-from bench.bench_multiturn import _code_state, _main_thread_cpu
+from bench.bench_multiturn import _code_state, _main_thread_cpu, _median_range, _run_header
 
 COMMAND = ".venv/bin/python -m bench verifiers  (or make bench ARGS=verifiers)"
 PLUGINS = REPO / "tests" / "vf" / "plugins"
@@ -495,22 +495,11 @@ def run(results_dir: Path, *, labels: list[str] | None = None, repeats: int = RE
 def _markdown(r: dict[str, Any]) -> str:
     s, d, setup = r["summary"], r["derived"], r["setup"]
 
-    def mmm(x: dict[str, float], fmt: str = "{:g}") -> str:
-        return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
-
+    mmm = _median_range
     lines = [
         "# verifiers environments vs the native paths: sampler cost per trajectory and per turn",
         "",
-        f"`{r['command']}`. Machine: {r['host']['cpus']} CPUs shared by every process of the bench (and other "
-        f"work: 1-minute load average {r['host']['loadavg_1m_at_start']} before, {r['host']['loadavg_1m_at_end']} "
-        f"after). Python {r['host']['python']}. Whole bench {r['bench_seconds']} s.",
-        "",
-        f"Code: commit {r['code']['head'][:12]}"
-        + (f" with uncommitted changes to {', '.join(r['code']['uncommitted_files'])} (diff sha1 "
-           f"{r['code']['uncommitted_diff_sha1'][:12]})" if r["code"]["uncommitted_files"]
-           else ", services/ and shared/ clean")
-        + (". **The code changed during the run: these numbers mix two versions.**" if r["code"]["changed_during_run"]
-           else "."),
+        *_run_header(r, r["bench_seconds"]),
         "",
         f"Batch {setup['batch']}, max_tokens {setup['max_tokens']}, temperature {setup['temperature']:g} (every turn "
         f"exactly {setup['max_tokens']} tokens), {setup['inference']}, trainer stand-in with T = 0, max_staleness "
