@@ -50,9 +50,9 @@ class _Open(BaseModel):
 class Sample(_Open):
     """One completion, ready to train on: the one definition of a sample.
 
-    The sampler builds samples with `new_sample` (the wire form, a plain dict), stores and
-    serves them; the trainer reads them as this model. Extra keys are allowed (an environment's
-    group info travels along)."""
+    The sampler builds samples in the wire form (plain dicts whose fields `new_sample` checks),
+    stores and serves them; the trainer reads them as this model. Extra keys are allowed (an
+    environment's group info travels along)."""
 
     prompt_id: str
     group_id: str
