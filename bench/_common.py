@@ -124,7 +124,7 @@ async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: st
 
     from shared import codec
 
-    from shared.chunks import FRAMES, decode_frame
+    from shared.chunks import FRAMES, decode_frame, is_frames
 
     records: list[dict[str, Any]] = []
     # By default FRAMES, the stored chunks as they are, as SamplerClient asks; another form
@@ -143,7 +143,7 @@ async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: st
                 if response.status_code != 204:
                     raise RuntimeError(f"GET /batch step={step}: HTTP {response.status_code}: {response.text[:300]}")
             content_type = response.headers.get("content-type") or ""
-            if content_type.split(";")[0].strip() == FRAMES:
+            if is_frames(content_type):
                 arrays = decode_frame(response.content)
                 stats, samples = arrays.stats, arrays.num_samples
             else:

@@ -104,7 +104,7 @@ class Columns:
     absent: dict[str, list[int]] = field(default_factory=dict)
 
 
-def _offsets(lengths: list[int]) -> np.ndarray:
+def _offsets(lengths: list[int] | np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, _I8)
     np.cumsum(lengths, out=out[1:])
     return out
@@ -329,12 +329,23 @@ def samples_of(cols: Columns) -> list[dict[str, Any]]:
     return samples
 
 
+def samples_of_chunks(buffers: list[Any]) -> list[dict[str, Any]]:
+    """The samples of these chunks (stored bytes), in order, as `samples_of` makes them."""
+    with gc_paused():
+        return [sample for buffer in buffers for sample in samples_of(decode_chunk(buffer))]
+
+
 def slice_chunk(buffer: Any, start: int, stop: int) -> Any:
     """A new chunk holding samples start..stop-1 of the chunk in `buffer`."""
     return encode_chunk(slice_columns(decode_chunk(buffer), start, stop))
 
 
 # --- frames ----------------------------------------------------------------------------
+
+def is_frames(content_type: str | None) -> bool:
+    """Whether a Content-Type header names the `FRAMES` media type."""
+    return bool(content_type) and content_type.split(";")[0].strip().lower() == FRAMES
+
 
 def frame_head(*, step: int, stats: dict[str, Any], chunk_lengths: list[int], num_samples: int,
                rank: int = 0, world_size: int = 1) -> bytes:
@@ -364,26 +375,25 @@ class BatchArrays:
     def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(values, offsets) of a token field over the whole share; sample i's values are
         values[offsets[i]:offsets[i + 1]]. One chunk: views, no copy."""
-        parts = [c.arrays[name] for c in self.chunks if name in c.arrays]
-        if len(parts) != len(self.chunks):
-            raise KeyError(f"{name!r} is not a typed array in every chunk of this batch")
+        parts = self.per_chunk(name)
         if len(parts) == 1:
             return parts[0]
         values = np.concatenate([v for v, _ in parts])
-        lengths = np.concatenate([np.diff(o) for _, o in parts])
-        offsets = np.zeros(len(lengths) + 1, _I8)
-        np.cumsum(lengths, out=offsets[1:])
-        return values, offsets
+        return values, _offsets(np.concatenate([np.diff(o) for _, o in parts]))
 
     def tensors(self, name: str) -> list[tuple[Any, Any]]:
         """(values, offsets) of a token field per chunk as torch tensors sharing the received
         buffer (no copy: every dtype of the format is one torch has). Needs torch."""
         import torch
 
+        return [(torch.from_numpy(v), torch.from_numpy(o)) for v, o in self.per_chunk(name)]
+
+    def per_chunk(self, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(values, offsets) of a token field in each chunk: views, no copy."""
         parts = [c.arrays[name] for c in self.chunks if name in c.arrays]
         if len(parts) != len(self.chunks):
             raise KeyError(f"{name!r} is not a typed array in every chunk of this batch")
-        return [(torch.from_numpy(v), torch.from_numpy(o)) for v, o in parts]
+        return parts
 
     def samples(self) -> list[dict[str, Any]]:
         with gc_paused():

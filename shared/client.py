@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from shared import codec
-from shared.chunks import FRAMES, BatchArrays, alloc, decode_frame
+from shared.chunks import FRAMES, BatchArrays, alloc, decode_frame, is_frames
 from shared.http_client import HttpClient, Reply, TransportError
 from shared.waiting import REPORT_EVERY, Retrying, describe_status
 from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
@@ -67,10 +67,6 @@ class SamplerUnavailable(SamplerError):
     """The sampler could not be reached (or kept failing) for longer than `retry_for` seconds."""
 
 
-def is_frames(content_type: str | None) -> bool:
-    return bool(content_type) and content_type.split(";")[0].strip().lower() == FRAMES
-
-
 def _detail(response: Reply) -> Any:
     try:
         body = response.json()
@@ -118,6 +114,7 @@ class SamplerClient:
         if encoding not in _ENCODINGS:
             raise ValueError(f"encoding must be one of {sorted(_ENCODINGS)}, not {encoding!r}")
         self.accept = _ENCODINGS[encoding]
+        self._frames = encoding == "frames"
         headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
         # The timeout must outlast the server-side long-poll, or every poll would fail.
         self._http = HttpClient(max_connections=16, timeout=poll_timeout + 30.0, headers=headers)
@@ -200,7 +197,7 @@ class SamplerClient:
         """Batch `step` (this rank's share) in columns: numpy views of the received body, made
         without a Python object per token or per sample (`BatchArrays.samples()` makes dicts,
         `BatchArrays.column(field)` one array per token field; `torch.from_numpy` shares them)."""
-        if not self.accept.startswith(FRAMES):
+        if not self._frames:
             raise ValueError(f"get_batch_arrays needs encoding='frames', not the client's {self.accept!r}")
         content_type, body = await self.get_batch_body(step, rank, world_size, timeout=timeout)
         if not is_frames(content_type):
@@ -227,7 +224,7 @@ class SamplerClient:
                 poll = min(poll, max(0.0, give_up - time.monotonic()))
             params = {"step": step, "timeout": poll, "rank": rank, "world_size": world_size}
             response = await self._request("GET", "/batch", what, params=params, headers=headers,
-                                           into=alloc if self.accept.startswith(FRAMES) else None)
+                                           into=alloc if self._frames else None)
             status = response.status_code
             if status == 200:
                 return response.content_type, response.content

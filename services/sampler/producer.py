@@ -55,9 +55,9 @@ from services.sampler.rollout import summarize_batch
 from services.sampler.sources import FreshGroups
 from services.sampler.store import Store
 from services.sampler.strategies import BuildContext, Strategy
-from shared import chunks as chunk_format
 from shared import codec, contract
 from shared.aio import wait_any, wait_event
+from shared.chunks import samples_of_chunks
 
 log = logging.getLogger("tandem.sampler.producer")
 
@@ -307,7 +307,7 @@ class Producer:
             if sealed is not None:
                 break
             await wait_event(changed, _RECHECK_SECONDS)
-        samples = [s for buffer in sealed.chunks or [] for s in chunk_format.samples_of(chunk_format.decode_chunk(buffer))]
+        samples = samples_of_chunks(sealed.chunks or [])
         for sample in samples:
             sample["use_count"] = contract.use_count_after_reuse(sample.get("use_count", 1), step, base)
         return samples

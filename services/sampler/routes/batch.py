@@ -20,7 +20,7 @@ from services.sampler.packing import SealedBatch, pieces, share_range
 from services.sampler.store import Store
 from shared import codec
 from shared.aio import wait_event
-from shared.chunks import FRAMES, decode_chunk, frame_head, gc_paused, samples_of, slice_chunk
+from shared.chunks import FRAMES, frame_head, gc_paused, samples_of_chunks, slice_chunk
 from shared.codec import negotiate
 
 router = APIRouter(tags=["batch"])
@@ -131,11 +131,10 @@ async def _batch_response(store: Store, batch: SealedBatch, rank: int, world_siz
 
 
 def _transcode(batch: SealedBatch, chunks: list, rank: int, world_size: int, media_type: str) -> bytes:
+    body: dict[str, Any] = {"step": batch.step, "samples": samples_of_chunks(chunks), "stats": batch.stats}
+    if world_size > 1:
+        body["rank"], body["world_size"] = rank, world_size
     with gc_paused():
-        samples = [s for buf in chunks for s in samples_of(decode_chunk(buf))]
-        body: dict[str, Any] = {"step": batch.step, "samples": samples, "stats": batch.stats}
-        if world_size > 1:
-            body["rank"], body["world_size"] = rank, world_size
         return codec.encode(body, media_type)
 
 
