@@ -149,8 +149,24 @@ return 0
 # leaves nothing behind); the seal script makes them permanent. A seal delayed past it (a
 # long Redis outage) finds them gone (-2) and writes them again.
 STAGED_TTL_MS = 3_600_000
-# Chunks written per round trip to Redis: fewer fsyncs under `appendfsync always`.
+# Bytes of chunks per round trip to Redis: fewer fsyncs under `appendfsync always` when
+# writing, a bounded reply when reading.
 WRITE_BYTES = 32 << 20
+
+
+def _rounds(sizes: list[int]) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive items of at most WRITE_BYTES together (an item larger
+    than that alone): the chunks one round trip to Redis carries."""
+    runs = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > WRITE_BYTES:
+            runs.append((start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        runs.append((start, len(sizes)))
+    return runs
 
 
 class Store:
@@ -226,14 +242,10 @@ class Store:
                            "seal (is Redis evicting keys? set maxmemory-policy noeviction)")
 
     async def _write_chunks(self, prefix: str, buffers: list[Any]) -> None:
-        i = 0
-        while i < len(buffers):
+        for start, stop in _rounds([len(b) for b in buffers]):
             async with self.r.pipeline(transaction=False) as pipe:
-                size = 0
-                while i < len(buffers) and (size == 0 or size + len(buffers[i]) <= WRITE_BYTES):
+                for i in range(start, stop):
                     pipe.set(prefix + str(i), memoryview(buffers[i]), px=STAGED_TTL_MS)
-                    size += len(buffers[i])
-                    i += 1
                 await pipe.execute()
 
     def held(self, step: int) -> bool:
@@ -287,14 +299,9 @@ class Store:
             return [batch.chunks[i] for i in indices]
         prefix = self.keys.chunk_prefix(batch.step, batch.build)
         found: list[Any] = []
-        start = 0
-        while start < len(indices):  # bounded reads: a reply is buffered whole by the client
-            stop, size = start, 0
-            while stop < len(indices) and (stop == start or size + batch.table[indices[stop]][1] <= WRITE_BYTES):
-                size += batch.table[indices[stop]][1]
-                stop += 1
+        # Bounded reads: a reply is buffered whole by the client.
+        for start, stop in _rounds([batch.table[i][1] for i in indices]):
             found += await self.r.mget([prefix + str(i) for i in indices[start:stop]])
-            start = stop
         return None if any(c is None for c in found) else found
 
     async def get_batch(self, step: int) -> SealedBatch | None:
