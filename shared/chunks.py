@@ -304,20 +304,32 @@ def _decode_chunk(buffer: Any) -> Columns:
     return cols
 
 
+def keys_of(cols: Columns) -> list[str]:
+    """Every key of the chunk's samples, in the order `samples_of` gives them."""
+    return [*cols.arrays, *cols.numbers, *cols.texts, *cols.lists]
+
+
+def values_of(cols: Columns, key: str) -> list[Any]:
+    """`key`'s value in each sample that has it, in order: a token field as numpy views, every
+    other value as a Python value."""
+    if key in cols.arrays:
+        values, offsets = cols.arrays[key]
+        bounds = offsets.tolist()
+        return [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+    if key in cols.numbers:
+        return cols.numbers[key].tolist()
+    if key in cols.texts:
+        values, offsets = cols.texts[key]
+        data, bounds = values.tobytes(), offsets.tolist()
+        return [data[bounds[i]:bounds[i + 1]].decode() for i in range(len(bounds) - 1)]
+    return cols.lists[key]
+
+
 def samples_of(cols: Columns) -> list[dict[str, Any]]:
     """Sample dicts: token fields as numpy views, every other value as a Python value."""
     n = cols.n
-    columns: dict[str, list[Any]] = {}
-    for key, (values, offsets) in cols.arrays.items():
-        bounds = offsets.tolist()
-        columns[key] = [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
-    for key, values in cols.numbers.items():
-        columns[key] = values.tolist()
-    for key, (values, offsets) in cols.texts.items():
-        data, bounds = values.tobytes(), offsets.tolist()
-        columns[key] = [data[bounds[i]:bounds[i + 1]].decode() for i in range(len(bounds) - 1)]
-    columns.update(cols.lists)
-    keys = list(columns)
+    keys = keys_of(cols)
+    columns = {key: values_of(cols, key) for key in keys}
     if not cols.absent:
         return [dict(zip(keys, row)) for row in zip(*columns.values())] if keys else [{} for _ in range(n)]
     samples: list[dict[str, Any]] = [{} for _ in range(n)]

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from services.sampler import gc_tuning
+from shared.chunks import decode_chunk, keys_of, values_of
 from shared.contract import staleness
 
 log = logging.getLogger("tandem.sampler.rollout_log")
@@ -266,7 +267,6 @@ def _chunk_tables(payload: dict[str, Any], chunks: list[Any]):  # -> Iterator[py
     """One table per chunk, in order; a None (the last item) when the samples must be used."""
     import pyarrow as pa
 
-    from shared.chunks import decode_chunk
 
     try:
         columns = [decode_chunk(buffer) for buffer in chunks]
@@ -302,25 +302,13 @@ def _chunk_arrays(payload: dict[str, Any], cols: Any) -> list[Any] | None:
     if cols.absent:
         return None
     n = cols.n
-    present = {**cols.arrays, **cols.numbers, **cols.texts, **cols.lists}
-    extra_keys = present.keys() - _KNOWN
+    present = set(keys_of(cols))
+    extra_keys = present - _KNOWN
     if len(extra_keys) > 1:  # their order within each sample is not kept by the columns
         return None
 
     def values(key: str) -> list[Any]:
-        if key in cols.numbers:
-            return cols.numbers[key].tolist()
-        if key in cols.texts:
-            data, offsets = cols.texts[key]
-            raw, bounds = data.tobytes(), offsets.tolist()
-            return [raw[bounds[i]:bounds[i + 1]].decode() for i in range(n)]
-        if key in cols.lists:
-            return list(cols.lists[key])
-        if key in cols.arrays:
-            flat, offsets = cols.arrays[key]
-            bounds = offsets.tolist()
-            return [flat[bounds[i]:bounds[i + 1]] for i in range(n)]
-        return [None] * n
+        return list(values_of(cols, key)) if key in present else [None] * n
 
     step, stats = payload["step"], payload.get("stats", {})
     out = []
