@@ -18,7 +18,7 @@ Python 3.12's eager task factory does; the project supports 3.11, which lacks it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -138,19 +138,35 @@ def _start_all(awaitables: Sequence[Awaitable[Any]]) -> tuple[list[Any], list[tu
     """`gather_now`'s first part, without a coroutine of its own: each awaitable `run_now`
     finishes gives its result in place; the rest are returned (position, awaitable) to be
     awaited by `_finish_pending`."""
-    results: list[Any] = [None] * len(awaitables)
+    started = 0
+
+    def each() -> Iterator[tuple[bool, Any]]:
+        nonlocal started
+        for aw in awaitables:
+            started += 1
+            yield run_now(aw)
+
+    try:
+        return _split(each(), len(awaitables))
+    except BaseException:
+        for aw in awaitables[started:]:  # nothing created may be left dangling
+            _close(aw)
+        raise
+
+
+def _split(steps: Iterable[tuple[bool, Any]], count: int) -> tuple[list[Any], list[tuple[int, Awaitable[Any]]]]:
+    """`count` (done, result-or-awaitable) steps as results in place and (position, awaitable)
+    pairs still to await. The first exception wins, as with gather: the later steps are not
+    taken and the awaitables already pending are closed."""
+    results: list[Any] = [None] * count
     pending: list[tuple[int, Awaitable[Any]]] = []
     try:
-        for i, aw in enumerate(awaitables):
-            done, value = run_now(aw)
+        for i, (done, value) in enumerate(steps):
             if done:
                 results[i] = value
             else:
                 pending.append((i, value))
     except BaseException:
-        # The first exception wins, as with gather; nothing started may be left dangling.
-        for j in range(i + 1, len(awaitables)):
-            _close(awaitables[j])
         for _, aw in pending:
             _close(aw)
         raise
@@ -177,21 +193,8 @@ async def score_all(env: Environment, example: Example, completions: Sequence[Co
     its rewards go without suspending (no coroutine per completion); only the rest is awaited."""
     if type(env).score is not Environment.score:
         return await gather_now([env.score(example, c) for c in completions], timeout=timeout)
-    results: list[Any] = [None] * len(completions)
-    pending: list[tuple[int, Awaitable[Any]]] = []
-    try:
-        for i, completion in enumerate(completions):
-            done, value = env._score_start(example, completion)
-            if done:
-                results[i] = value
-            else:
-                pending.append((i, value))
-    except BaseException:
-        # As gather_now: the first exception wins, the later completions are not scored, and
-        # the scores already waiting are closed.
-        for _, aw in pending:
-            _close(aw)
-        raise
+    # As gather_now: the first exception wins, and the later completions are not scored.
+    results, pending = _split((env._score_start(example, c) for c in completions), len(completions))
     if pending:
         await _finish_pending(results, pending, timeout)
     return results
