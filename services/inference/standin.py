@@ -76,12 +76,19 @@ class StandInState:
     max_model_len: int = 4096
     # X-Session-ID header -> completion requests that carried it (session affinity tests).
     sessions: dict[str, int] = field(default_factory=dict)
+    # Test hook: the request that is the `hold_request`-th of its session waits, before its
+    # first token, until the hook is cleared (`released`); `held` counts those waiting. A test
+    # then knows every conversation stands between two turns (weight syncs between turns).
+    hold_request: int | None = None
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    held: int = 0
     tokenize_requests: int = 0
     model_id: str = "standin"
 
     def __post_init__(self) -> None:
         self.resumed.set()
         self.running.set()
+        self.released.set()
 
     def script(self, prompt_ids: list[int]) -> list[int] | None:
         """The token ids of the scripted answer to this prompt, or None when unscripted."""
@@ -168,6 +175,12 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
         session = request.headers.get("x-session-id")
         if session is not None:
             s.sessions[session] = s.sessions.get(session, 0) + 1
+            if s.sessions[session] == s.hold_request:
+                s.held += 1
+                try:
+                    await s.released.wait()
+                finally:
+                    s.held -= 1
         temperature = float(body.get("temperature", 1.0))
         seed = body.get("seed")
         rng = random.Random(seed if seed is not None else time.perf_counter_ns())
@@ -341,7 +354,8 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
     @app.post("/_standin/configure")
     async def configure(request: Request) -> dict[str, Any]:
         """Test hooks: {"reload_delay": s, "resume_delay": s, "reply": text or null, "replies":
-        [text, ...] or null, "stale_reloads": bool, "hung": bool, "max_model_len": int}; omitted keys stay."""
+        [text, ...] or null, "stale_reloads": bool, "hung": bool, "max_model_len": int, "hold_request": N or
+        null (StandInState.hold_request; null releases the held requests)}; omitted keys stay."""
         s, body = st(request), await _json_object(request)
         if isinstance(body, JSONResponse):
             return body
@@ -360,18 +374,25 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
             s.stale_reloads = bool(body["stale_reloads"])
         if "max_model_len" in body:
             s.max_model_len = int(body["max_model_len"])
+        if "hold_request" in body:
+            s.hold_request = None if body["hold_request"] is None else int(body["hold_request"])
+            if s.hold_request is None:
+                s.released.set()
+            else:
+                s.released.clear()
         if body.get("hung") is True:
             s.running.clear()
         elif "hung" in body:
             s.running.set()
         return {"reload_delay": s.reload_delay, "resume_delay": s.resume_delay, "reply": s.reply,
-                "replies": s.replies, "stale_reloads": s.stale_reloads, "hung": not s.running.is_set()}
+                "replies": s.replies, "stale_reloads": s.stale_reloads, "hung": not s.running.is_set(),
+                "hold_request": s.hold_request}
 
     @app.get("/_standin/stats")
     async def stats(request: Request) -> dict[str, Any]:
         s = st(request)
         return {"requests": s.requests, "reloads": s.reloads, "version": s.version, "paused": s.paused,
-                "sessions": s.sessions, "tokenize_requests": s.tokenize_requests,
+                "sessions": s.sessions, "held": s.held, "tokenize_requests": s.tokenize_requests,
                 "weights": s.weights}
 
     return app

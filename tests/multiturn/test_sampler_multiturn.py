@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from shared.wire import Sample
-from tests.support.driver import publish_mid_batch
+from tests.support.driver import hold_second_turns, publish_between_turns
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -103,12 +103,13 @@ async def test_an_eval_asked_for_before_the_inference_server_is_up_waits_for_it(
 async def test_a_weight_sync_in_the_middle_of_conversations_shows_in_their_versions(make_sampler):
     from tests.support.servers import start_standin
 
-    slow = start_standin(token_latency=0.03)  # ~0.25 s a turn: conversations are in flight when the sync comes
+    slow = start_standin(token_latency=0.01)
     try:
+        hold_second_turns(slow.url)
         sampler = make_sampler(env="tests.support.envs:EchoDialogue", env_args='{"max_turns": 3}', max_tokens=8,
-                               inference_urls=[slow.url], max_staleness=1)
+                               inference_urls=[slow.url], max_staleness=1, temperature=0.0)
         async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
-            straddling = await publish_mid_batch(http, settle=0.4, timeout=30)
-        assert all(len(bytes(s["completion_token_ids"]).decode().split("<|im_start|>user\n")) == 3 for s in straddling)
+            samples = await publish_between_turns(http, slow.url, timeout=30)
+        assert all(len(bytes(s["completion_token_ids"]).decode().split("<|im_start|>user\n")) == 3 for s in samples)
     finally:
         slow.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -29,23 +28,31 @@ async def drive(url: str, steps: int, *, checkpoint: str | None = None, train_se
     return batches
 
 
-async def publish_mid_batch(http: httpx.AsyncClient, settle: float, timeout: float,
-                            started: Callable[[], Awaitable[bool]] | None = None) -> list[dict[str, Any]]:
-    """Publish version 1 `settle` seconds after the sampler starts building (batches 0 and 1, both
-    allowed on version 0, are then mid-trajectory), then take batch 0: its samples, and those of
-    them sampled by both versions (`versions` [0, 1], `policy_version` 0: the oldest).
+def hold_second_turns(standin_url: str) -> None:
+    """Make the stand-in hold each conversation's second model call before its first token,
+    until `publish_between_turns` releases them. Call it before the sampler starts."""
+    httpx.post(f"{standin_url}/_standin/configure", json={"hold_request": 2}).raise_for_status()
 
-    `started`: the publication also waits until it says every trajectory of batch 0 has made its
-    first model call (one that had not would be sampled by version 1 alone, newer than batch 0
-    allows, and fail the batch): a fixed `settle` alone races with a slow start."""
-    while not (await http.get("/status")).json()["steps"]["in_progress"]:
-        await asyncio.sleep(0.02)
-    while started is not None and not await started():
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(settle)
+
+async def publish_between_turns(http: httpx.AsyncClient, standin_url: str, timeout: float,
+                                conversations: int = 32) -> list[dict[str, Any]]:
+    """Publish version 1 while `conversations` conversations stand between their first and
+    second turn, then take batch 0 and return its samples; every one of them must have been
+    sampled by both versions (`versions` [0, 1], `policy_version` 0: the oldest).
+
+    The stand-in holds the second calls (`hold_second_turns`): once all of batches 0 and 1's
+    conversations (16 each, both batches allowed on version 0 and built at once) are held,
+    each has its first turn from version 0 and the rest to come, whatever the machine's load.
+    The conversations need a first turn with tokens in it (temperature 0: the stand-in then
+    never stops at once): one whose tokens all came from version 1 would be newer than batch 0
+    allows and fail the batch. The trainer this stands for publishes version N+1 only after
+    reading batch N; publishing before is what puts a sync in the middle of batch 0."""
+    async with asyncio.timeout(timeout):
+        while (await http.get(f"{standin_url}/_standin/stats")).json()["held"] < conversations:
+            await asyncio.sleep(0.02)
     assert (await http.post("/weights_version", json={"version": 1})).status_code == 200
+    (await http.post(f"{standin_url}/_standin/configure", json={"hold_request": None})).raise_for_status()
     samples = (await http.get("/batch", params={"step": 0, "timeout": timeout})).json()["samples"]
-    straddling = [s for s in samples if s["versions"] == [0, 1]]
-    assert straddling, [s["versions"] for s in samples]
-    assert all(s["policy_version"] == 0 for s in straddling)
-    return straddling
+    assert [s["versions"] for s in samples] == [[0, 1]] * len(samples)
+    assert [s["policy_version"] for s in samples] == [0] * len(samples)
+    return samples

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from services.inference.testing import running_server
 from shared.toolcalls import format_tool_call
 from shared.wire import Sample
-from tests.support.driver import publish_mid_batch
+from tests.support.driver import hold_second_turns, publish_between_turns
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -192,24 +192,18 @@ async def test_a_tool_call_runs_on_the_tasksets_tool_server_and_its_answer_is_ma
 async def test_a_weight_sync_in_the_middle_of_episodes_shows_in_their_versions(make_sampler, byte_tokenizer):
     from tests.support.servers import start_standin
 
-    slow = start_standin(token_latency=0.03)  # ~0.25 s a turn: episodes are in flight when the sync comes
+    slow = start_standin(token_latency=0.01)
     sampler = None
     try:
+        hold_second_turns(slow.url)
         sampler = make_sampler(env="verifiers:tandem-vf-dialogue", env_args='{"turns": 3}', max_tokens=8,
                                inference_urls=[slow.url], max_staleness=1, vf_tokenizer=str(byte_tokenizer),
-                               drain_deadline=0)  # at the end, batches still in flight need not seal
+                               temperature=0.0, drain_deadline=0)  # at the end, batches still in flight need not seal
         async with httpx.AsyncClient(base_url=sampler.url, timeout=60) as http:
-            async def all_started() -> bool:
-                # Batches 0 and 1 build at once, 16 episodes each; a session (trace id) is
-                # recorded when an episode's first model call arrives.
-                stats = (await http.get(f"{slow.url}/_standin/stats")).json()
-                return len(stats["sessions"]) >= 32
-
-            straddling = await publish_mid_batch(http, settle=0.1, timeout=60, started=all_started)
-        # Three model turns each (the stand-in may answer a turn with no token at all: then the
-        # first sampled token, where the completion starts, is in a later turn).
+            samples = await publish_between_turns(http, slow.url, timeout=60)
+        # Three model turns each (the environment talked back twice).
         assert all(bytes(s["prompt_token_ids"] + s["completion_token_ids"]).decode().count("<|im_start|>user\nagain")
-                   == 2 for s in straddling)
+                   == 2 for s in samples)
     finally:
         if sampler is not None:
             sampler.stop()  # first: stopped after its server, its episodes in flight would retry to no end
