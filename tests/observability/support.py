@@ -13,9 +13,13 @@ def take_batch(url: str, step: int) -> dict[str, Any]:
     return response.json()
 
 
-def publish(url: str, version: int, checkpoint_path: str | None = None) -> None:
-    response = httpx.post(f"{url}/weights_version", json={"version": version, "checkpoint_path": checkpoint_path},
-                          timeout=30)
+def publish(url: str, version: int, checkpoint_path: str | None = None,
+            metrics: dict[str, float | None] | None = None) -> None:
+    """POST /weights_version N, with the trainer's `metrics` for the step that made it if given."""
+    body: dict[str, Any] = {"version": version, "checkpoint_path": checkpoint_path}
+    if metrics is not None:
+        body["metrics"] = metrics
+    response = httpx.post(f"{url}/weights_version", json=body, timeout=30)
     assert response.status_code == 200, response.text
 
 

@@ -66,6 +66,12 @@ def inked_pixels(page, chart: str) -> int:
     )
 
 
+# What a trainer from before issue 29 sends with each version, and the correction metrics since.
+OLD_TRAINER_METRICS = {"behaviour_mismatch": 0.01, "loss": -0.1, "is_weight_mean": 0.99, "is_truncated_fraction": 0.0}
+CORRECTION_METRICS = {"mismatch_k1": -0.002, "mismatch_k2": 0.004, "mismatch_k3": 0.005, "is_masked_fraction": 0.01,
+                      "rejected_fraction": 0.05, "is_weight_raw_mean": 1.01, "is_weight_raw_max": 7.5}
+
+
 def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     sampler = make_sampler(env="tests.observability.htmlenv:HtmlEnv", max_staleness=1)
     problems: list[str] = []
@@ -85,12 +91,19 @@ def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     assert page.evaluate("window.__pwned") is None
     assert page.locator("#rollouts img, #rollouts script, #rollouts b").count() == 0
 
-    # Drive three trainer steps and an eval; the page must follow without a reload.
-    publish(sampler.url, 1)
+    # Drive three trainer steps and an eval; the page must follow without a reload. Version 1
+    # comes from a trainer older than the off-policy correction metrics (issue 29): its chart
+    # stays empty and nothing breaks; versions 2 and 3 carry them, 3 per staleness as well.
+    assert points(page, "offpolicy") == 0 and points(page, "correction") == 0
+    publish(sampler.url, 1, metrics=OLD_TRAINER_METRICS)
+    page.wait_for_function("document.getElementById('chart-mismatch').dataset.points === '1'", timeout=15000)
+    assert points(page, "offpolicy") == 0  # nothing to draw, no error
+    assert points(page, "correction") == 1  # is_truncated_fraction, which older trainers send
     take_batch(sampler.url, 1)
-    publish(sampler.url, 2)
+    publish(sampler.url, 2, metrics={**OLD_TRAINER_METRICS, **CORRECTION_METRICS})
     take_batch(sampler.url, 2)
-    publish(sampler.url, 3)
+    publish(sampler.url, 3, metrics={**OLD_TRAINER_METRICS, **CORRECTION_METRICS, "mismatch_k3_stale0": 0.001,
+                                     "mismatch_k3_stale1": 0.02, "rejected_fraction_stale1": 0.25})
     run_eval(sampler.url, num_examples=3)
     page.wait_for_function("document.getElementById('published').textContent === '3'", timeout=15000)
     page.wait_for_function("document.getElementById('eval-reward').textContent !== '–'", timeout=15000)
@@ -100,7 +113,12 @@ def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     assert points(page, "timeline") > before["timeline"]
     assert points(page, "staleness") >= 2  # staleness 0 (step 0) and 1 (later steps, k = 1)
     assert int(page.text_content("#next-step")) >= 3
-    for chart in ("reward", "staleness", "timeline", "cps", "tps"):
+    # k3 and k1 at versions 2 and 3, k3 of staleness 0 and 1 at version 3; masked, rejected and
+    # truncated fractions at versions 2 and 3, truncated alone at version 1.
+    page.wait_for_function("document.getElementById('chart-offpolicy').dataset.points === '6'", timeout=15000)
+    assert points(page, "correction") == 7
+    assert points(page, "mismatch") == 3
+    for chart in ("reward", "staleness", "timeline", "cps", "tps", "mismatch", "offpolicy", "correction"):
         assert inked_pixels(page, chart) > 500, chart
     servers = page.text_content("#servers tbody")
     assert "127.0.0.1" in servers

@@ -13,8 +13,23 @@ const params = new URLSearchParams(location.search);
 const INTERVAL = Math.max(100, Number(params.get("interval")) || 2000);
 const COLORS = {
   gen: "#4e9bff", train: "#ff9f43", reward: "#3ecf8e", eval: "#b48cff", grid: "#2a323c",
-  text: "#8a96a3", bar: "#4e9bff", line: "#4e9bff",
+  text: "#8a96a3", bar: "#4e9bff", line: "#4e9bff", bad: "#ff5d5d",
 };
+// The trainer's off-policy correction metrics (docs/corrections.md), one line each. Trainers
+// older than issue 29 send none of them: the charts then say so instead of drawing.
+const MISMATCH_SERIES = [
+  { key: "mismatch_k3", name: "k3", color: COLORS.train },
+  { key: "mismatch_k1", name: "k1", color: COLORS.gen },
+  // Only in batches that mix staleness values (absent keys draw nothing).
+  { key: "mismatch_k3_stale0", name: "k3 stale 0", color: COLORS.reward },
+  { key: "mismatch_k3_stale1", name: "k3 stale 1", color: COLORS.eval },
+  { key: "mismatch_k3_stale2plus", name: "k3 stale 2+", color: COLORS.bad },
+];
+const CORRECTION_SERIES = [
+  { key: "is_masked_fraction", name: "tokens masked", color: COLORS.train },
+  { key: "rejected_fraction", name: "sequences rejected", color: COLORS.bad },
+  { key: "is_truncated_fraction", name: "weights truncated", color: COLORS.gen },
+];
 
 let latest = null; // last dashboard/data answer, for re-filtering rollouts without a fetch
 
@@ -64,6 +79,17 @@ function ticks(min, max, count) {
   return out;
 }
 
+// Decimals that tell evenly spaced ticks apart: 2 as before, more for small steps (mismatch
+// metrics live around 1e-3, where two decimals would label 0.005 and 0.010 both "0.01").
+function tickDigits(values) {
+  if (values.length < 2) return 2;
+  const step = values[1] - values[0];
+  let digits = Math.max(0, Math.ceil(-Math.log10(step) - 1e-9));
+  const scaled = step * Math.pow(10, digits);
+  if (Math.abs(scaled - Math.round(scaled)) > 1e-6) digits += 1; // steps of 2.5 x 10^k
+  return Math.min(Math.max(2, digits), 12);
+}
+
 function emptyChart(canvas, message) {
   const { ctx, w, h } = prepare(canvas);
   ctx.fillStyle = COLORS.text;
@@ -81,10 +107,12 @@ function frame(ctx, w, h, xr, yr, opts) {
   ctx.lineWidth = 1;
   ctx.textAlign = "right";
   ctx.textBaseline = "middle";
-  for (const v of ticks(yr[0], yr[1], 4)) {
+  const yticks = ticks(yr[0], yr[1], 4);
+  const ydigits = tickDigits(yticks);
+  for (const v of yticks) {
     const y = Y(v);
     ctx.beginPath(); ctx.moveTo(pad.l, y); ctx.lineTo(w - pad.r, y); ctx.stroke();
-    ctx.fillText(fmt(v), pad.l - 6, y);
+    ctx.fillText(fmt(v, ydigits), pad.l - 6, y);
   }
   ctx.textAlign = "center";
   ctx.textBaseline = "top";
@@ -204,6 +232,17 @@ function timelineChart(canvas, rows, now) {
   });
   legend(ctx, w, [{ name: "generation", color: COLORS.gen }, { name: "training", color: COLORS.train }]);
   canvas.dataset.points = String(points);
+}
+
+// The trainer's metrics list (one record per version, step = version - 1) as lines, one per
+// spec {key, name, color}; a record without a key, or with a non-number there, draws nothing
+// for it, so metrics that an older trainer does not send never break the page.
+function trainerChart(canvas, records, specs, emptyMessage) {
+  const series = specs.map((s) => ({ name: s.name, color: s.color,
+    points: records.filter((m) => Number.isFinite(m[s.key])).map((m) => [m.version - 1, m[s.key]]) }))
+    .filter((s) => s.points.length);
+  if (!series.length) { emptyChart(canvas, emptyMessage || undefined); return; }
+  lineChart(canvas, series, { integerX: true, zeroBased: true, xlabel: "step" });
 }
 
 // --- tables -------------------------------------------------------------------------------
@@ -333,14 +372,13 @@ function renderData(d) {
   timelineChart($("chart-timeline"), d.timeline, d.now);
   // Step N's metrics arrive with version N + 1. Near 0 when inference serves the trainer's
   // weights; nats when it does not (stale weights), whatever HTTP said.
-  const mismatch = (d.trainer || []).filter((m) => m.behaviour_mismatch != null);
-  if (mismatch.length) {
-    lineChart($("chart-mismatch"), [{ name: "behaviour_mismatch", color: COLORS.train,
-      points: mismatch.map((m) => [m.version - 1, m.behaviour_mismatch]) }],
-      { integerX: true, zeroBased: true, xlabel: "step" });
-  } else {
-    emptyChart($("chart-mismatch"), "no trainer metrics yet (the trainer sends them with each version)");
-  }
+  const trainer = d.trainer || [];
+  trainerChart($("chart-mismatch"), trainer, [{ key: "behaviour_mismatch", name: "behaviour_mismatch", color: COLORS.train }],
+    "no trainer metrics yet (the trainer sends them with each version)");
+  // KL(mu || pi_old) estimates and what the correction dropped (docs/corrections.md).
+  const older = trainer.length ? "no correction metrics (a trainer from before these metrics)" : null;
+  trainerChart($("chart-offpolicy"), trainer, MISMATCH_SERIES, older);
+  trainerChart($("chart-correction"), trainer, CORRECTION_SERIES, older);
   const ago = (t) => t - d.now;
   lineChart($("chart-cps"), [{ name: "completions/s", color: COLORS.gen,
     points: d.throughput.map((p) => [ago(p.t), p.completions_per_second]) }],
