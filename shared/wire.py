@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidato
 from shared.probe import Probe, ProbeResult
 
 FinishReason = Literal["stop", "length", "abort"]
-MAX_METRICS = 64  # keys in WeightsVersionRequest.metrics; the trainer sends at most this many
+MAX_METRICS = 128  # keys in WeightsVersionRequest.metrics; the trainer sends at most this many (a step
+# with every correction metric per staleness group, a KL term and truncation has ~65)
 EvalStatus = Literal["pending", "running", "done", "failed"]
 
 

@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.trainer.corrections import IS_MODES, Correction
 from shared import contract
 from shared.probe import MAX_PROBE_TOKENS
 from shared.settings import TandemSettings
@@ -20,6 +21,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 PublishDType = Literal["auto", "float32", "bfloat16", "float16"]
 Sharding = Literal["ddp", "fsdp"]
 ImportanceLevel = Literal["token", "sequence"]
+IsMode = Literal["truncate", "mask", "mask_truncate"]
+assert IsMode.__args__ == IS_MODES
 
 
 class TrainerSettings(TandemSettings):
@@ -61,6 +64,23 @@ class TrainerSettings(TandemSettings):
         default="token",
         description="token: one ratio and one truncated IS weight per token; sequence: one per completion, "
         "the geometric mean over its loss tokens (GSPO-style), the same for every token of it",
+    )
+    # Off-policy corrections (docs/corrections.md).
+    is_mode: IsMode = Field(
+        default="truncate",
+        description="what is done with the importance weight pi_old/pi_behaviour: truncate (at tis_cap); "
+        "mask (tokens whose weight is outside [is_low, is_high] carry no loss, IcePop-style; the rest keep "
+        "their untruncated weight); mask_truncate (the same band, kept weights truncated at tis_cap)",
+    )
+    is_low: float = Field(default=0.5, gt=0, description="mask modes: lower end of the kept band of pi_old/pi_behaviour")
+    is_high: float = Field(default=5.0, gt=0, description="mask modes: upper end of the kept band of pi_old/pi_behaviour")
+    seq_reject_low: float | None = Field(
+        default=None, description="a completion whose geometric-mean pi_old/pi_behaviour over its loss tokens is "
+        "below this (in (0, 1)) carries no loss; unset = no lower bound",
+    )
+    seq_reject_high: float | None = Field(
+        default=None, description="a completion whose geometric-mean pi_old/pi_behaviour over its loss tokens is "
+        "above this (> 1) carries no loss; unset = no upper bound",
     )
     mask_truncated_completions: bool = Field(
         default=False, description="completions cut off at max_tokens (finish_reason length) carry no loss"
@@ -167,9 +187,15 @@ class TrainerSettings(TandemSettings):
         if self.probe_tokens == 1:
             raise ValueError("probe_tokens must be 0 (no probe) or >= 2: a probe compares the logprobs of the "
                              "tokens after the first")
+        self.correction()  # the band and rejection checks, with their messages
         if not self.sampler_url.startswith(("http://", "https://")):
             raise ValueError(f"sampler_url {self.sampler_url!r} is not an http(s) URL")
         return self
+
+    def correction(self) -> Correction:
+        """The corrections as the loss applies them; raises ValueError with what to fix."""
+        return Correction(mode=self.is_mode, cap=self.tis_cap, band=(self.is_low, self.is_high),
+                          reject=(self.seq_reject_low, self.seq_reject_high))
 
     @property
     def clip_high(self) -> float:

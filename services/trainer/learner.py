@@ -39,6 +39,8 @@ import torch
 from services.trainer.collate import MicroBatch, split_micro_batches
 from services.trainer.loss import (
     IMPORTANCE_SAMPLING_LEVELS,
+    PER_SEQUENCE,
+    Correction,
     loss_normalizer,
     policy_loss,
     truncated_token_logprobs,
@@ -60,12 +62,19 @@ class LossConfig:
     temperature: float = 1.0
     max_completion_length: int | None = None
     importance_sampling_level: str = "token"  # or "sequence" (loss.py)
+    # Off-policy corrections (loss.Correction, docs/corrections.md).
+    is_mode: str = "truncate"
+    is_low: float = 0.5
+    is_high: float = 5.0
+    seq_reject_low: float | None = None
+    seq_reject_high: float | None = None
     mask_truncated_completions: bool = False
     logprob_chunk_size: int = 1024
     # The sampler's min_p / top_k / top_p: logprobs are scored over the same truncated set.
     truncation: Truncation | None = None
 
     def __post_init__(self) -> None:
+        self.correction  # noqa: B018 - validates the correction settings
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"unknown importance_sampling_level {self.importance_sampling_level!r}; "
                              f"expected one of {IMPORTANCE_SAMPLING_LEVELS}")
@@ -75,6 +84,11 @@ class LossConfig:
             raise ValueError("temperature must be > 0")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
             raise ValueError("loss dr_grpo needs max_completion_length (the sampler's max_tokens)")
+
+    @property
+    def correction(self) -> Correction:
+        return Correction(mode=self.is_mode, cap=self.tis_cap, band=(self.is_low, self.is_high),
+                          reject=(self.seq_reject_low, self.seq_reject_high))
 
 
 def _accepts(model: Any, name: str) -> bool:
@@ -172,18 +186,24 @@ class Learner:
         ref: list[torch.Tensor] | None = None,
         *,
         backward: bool = True,
-    ) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor] | None]:
+        groups: list[torch.Tensor] | None = None,
+    ) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor] | None]:
         """Zero the gradients, then forward+backward every micro-batch (one pass); with
         `backward` False only the forwards, without gradients (a step that will not update).
 
         Returns local metric sums, pi_old per micro-batch (this pass's logprobs when `old`
-        is None: the first pass, before any update) and the reference logprobs.
+        is None: the first pass, before any update) and the reference logprobs. `groups`: each
+        micro-batch's staleness group per sequence (0, 1, 2 for 2+), for the per-staleness
+        correction metrics (`sums["groups"]`: [3, len(PER_SEQUENCE)] sums, maxima for w_raw_max).
         """
         cfg = self.cfg
+        correction = cfg.correction
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("loss", "tokens", "clipped", "is_weight_sum", "is_weight_max", "is_truncated",
-                              "kl_sum", "ratio_sum", "forward_tokens", "logp_sum", "mismatch_sum",
-                              "outside_truncation"), 0.0)
+        sums: dict[str, Any] = dict.fromkeys(
+            ("loss", "tokens", "kept", "clipped", "is_weight_sum", "is_weight_max", "is_truncated", "kl_sum",
+             "ratio_sum", "forward_tokens", "logp_sum", "mismatch_sum", "outside_truncation", "normalizer_part",
+             "signal"), 0.0)
+        by_group = torch.zeros(len(STALENESS_GROUPS), len(PER_SEQUENCE), dtype=torch.float64)
         new_old: list[torch.Tensor] = []
         new_ref: list[torch.Tensor] | None = [] if cfg.beta else None
         for k, cpu_mb in enumerate(micro_batches):
@@ -209,6 +229,7 @@ class Learner:
                 epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                 tis_cap=cfg.tis_cap, beta=cfg.beta, ref=ref_k,
                 importance_sampling_level=cfg.importance_sampling_level,
+                correction=correction, max_completion_length=cfg.max_completion_length,
             )
             if backward:
                 out.loss.backward()
@@ -216,18 +237,23 @@ class Learner:
                 self.sharding.reshard(self.model)
             with torch.no_grad():
                 mask = mb.loss_mask
+                sums["tokens"] += float((mask > 0).sum())
                 sums["logp_sum"] += float((logp.detach() * mask).sum())
                 sums["mismatch_sum"] += float(((old_k - mb.behaviour_logprobs).abs() * mask).sum())
                 sums["outside_truncation"] += float((outside & (mask > 0)).sum())
+                _add_by_group(by_group, out.per_sequence, groups[k] if groups is not None else None)
             sums["loss"] += float(out.loss.detach())
-            sums["tokens"] += out.tokens
+            sums["kept"] += out.tokens
             sums["clipped"] += out.clipped
             sums["is_weight_sum"] += out.is_weight_sum
             sums["is_weight_max"] = max(sums["is_weight_max"], out.is_weight_max)
             sums["is_truncated"] += out.is_truncated
             sums["kl_sum"] += out.kl_sum
             sums["ratio_sum"] += out.ratio_sum
+            sums["normalizer_part"] += out.normalizer_part
+            sums["signal"] += out.signal
             sums["forward_tokens"] += mb.num_tokens
+        sums["groups"] = by_group
         return sums, (old if old is not None else new_old), (ref if ref is not None else new_ref)
 
     def clip_and_step(self, loss: float, lr: float | None = None) -> tuple[float, bool]:
@@ -251,30 +277,52 @@ class Learner:
         grad_accum_steps: int,
         num_iterations: int = 1,
         lr: float | None = None,
+        step: int | None = None,
     ) -> dict[str, float]:
         """Run `num_iterations` optimizer updates on this rank's `samples`; return global
         (all-rank) metrics of the first pass plus the last pass's grad norm, and whether the
-        step was skipped (`skipped_no_signal`, `skipped_non_finite`: 0 or 1)."""
+        step was skipped (`skipped_no_signal`, `skipped_non_finite`: 0 or 1). `step`: the
+        batch's step, for the per-staleness correction metrics (step - policy_version)."""
         # Eval mode (no dropout) keeps pass-2 ratios free of dropout noise; gradient
         # checkpointing in transformers only engages in train mode, so it keeps that.
         self.model.train(self.train_mode)
         micro_batches = split_micro_batches(samples, grad_accum_steps, self.pad_token_id,
                                             mask_truncated=self.cfg.mask_truncated_completions)
-        normalizer = self.global_normalizer(micro_batches)
-        signal = self.has_signal(micro_batches)
+        groups = None
+        if step is not None:
+            group_of = [min(max(step - s.policy_version, 0), len(STALENESS_GROUPS) - 1) for s in samples]
+            groups = [torch.tensor([group_of[i] for i in mb.indices]) for mb in micro_batches]
+        # Masking and rejection decide what carries loss from pi_old, which each micro-batch's
+        # forward computes: the loss is then taken over a normaliser of 1 and the gradients
+        # divided by the real one (summed as the forwards go) once they are all done.
+        deferred = self.cfg.correction.depends_on_forward
+        normalizer = 1.0 if deferred else self.global_normalizer(micro_batches)
+        signal = self.has_signal(micro_batches)  # before corrections: with them, an upper bound
         old = ref = None
-        first: dict[str, float] | None = None
+        first: dict[str, Any] | None = None
         grad_norms: list[float] = []
         forward_tokens = 0.0
         non_finite = False
         for _ in range(num_iterations if signal else 1):
-            sums, old, ref = self.accumulate(micro_batches, normalizer, old, ref, backward=signal)
+            sums, old, ref = self.accumulate(micro_batches, normalizer, old, ref, backward=signal, groups=groups)
             forward_tokens += sums["forward_tokens"]
             if first is None:
                 first = sums
             else:
                 # Clipping only happens after the first update; report the later passes' rate.
                 first["clipped_later"] = first.get("clipped_later", 0.0) + sums["clipped"]
+            if signal and deferred:
+                total = self._all_reduce(torch.tensor([sums["normalizer_part"], sums["signal"]], dtype=torch.float64))
+                kept_normalizer, kept_signal = total.tolist()
+                if kept_signal == 0:
+                    # Everything that could move the weights was masked or rejected.
+                    self.optimizer.zero_grad(set_to_none=True)
+                    signal = False
+                else:
+                    for p in self.params:
+                        if p.grad is not None:
+                            p.grad.div_(kept_normalizer)
+                    sums["loss"] /= kept_normalizer
             if not signal:
                 grad_norms.append(0.0)
                 break
@@ -293,33 +341,78 @@ class Learner:
         out["skipped_non_finite"] = 1.0 if non_finite else 0.0
         return out
 
-    def _global_metrics(self, sums: dict[str, float], grad_norms: list[float],
+    def _global_metrics(self, sums: dict[str, Any], grad_norms: list[float],
                         forward_tokens: float, num_iterations: int) -> dict[str, float]:
-        keys = ["loss", "tokens", "clipped", "clipped_later", "is_weight_sum", "is_truncated",
+        keys = ["loss", "tokens", "kept", "clipped", "clipped_later", "is_weight_sum", "is_truncated",
                 "kl_sum", "ratio_sum", "logp_sum", "mismatch_sum", "outside_truncation"]
-        total = self._all_reduce(torch.tensor([sums.get(k, 0.0) for k in keys] + [forward_tokens],
-                                              dtype=torch.float64))
-        peak = self._all_reduce(torch.tensor([sums["is_weight_max"]], dtype=torch.float64), "max")
-        t = dict(zip(keys + ["forward_tokens"], total.tolist()))
+        groups = sums["groups"]
+        w_max = PER_SEQUENCE.index("w_raw_max")
+        total = self._all_reduce(torch.cat([torch.tensor([sums.get(k, 0.0) for k in keys] + [forward_tokens],
+                                                         dtype=torch.float64), groups.flatten()]))
+        peaks = self._all_reduce(torch.cat([torch.tensor([sums["is_weight_max"]], dtype=torch.float64),
+                                            groups[:, w_max]]), "max")
+        t = dict(zip(keys + ["forward_tokens"], total[: len(keys) + 1].tolist()))
+        by_group = total[len(keys) + 1:].view_as(groups)
+        by_group[:, w_max] = peaks[1:]
         tokens = max(t["tokens"], 1.0)
-        later_tokens = max(t["tokens"] * (num_iterations - 1), 1.0)
+        kept = max(t["kept"], 1.0)
+        later_tokens = max(t["kept"] * (num_iterations - 1), 1.0)
         out = {
             "loss": t["loss"],
             "loss_tokens": t["tokens"],
             "forward_tokens": t["forward_tokens"],
             "grad_norm": grad_norms[0],
             "grad_norm_last": grad_norms[-1],
-            "clip_fraction": (t["clipped_later"] / later_tokens) if num_iterations > 1 else t["clipped"] / tokens,
-            "is_weight_mean": t["is_weight_sum"] / tokens,
-            "is_weight_max": float(peak.item()),
-            "is_truncated_fraction": t["is_truncated"] / tokens,
-            "ratio_mean": t["ratio_sum"] / tokens,
+            "clip_fraction": (t["clipped_later"] / later_tokens) if num_iterations > 1 else t["clipped"] / kept,
+            "is_weight_mean": t["is_weight_sum"] / kept,
+            "is_weight_max": float(peaks[0].item()),
+            "is_truncated_fraction": t["is_truncated"] / kept,
+            "ratio_mean": t["ratio_sum"] / kept,
             "logprob_mean": t["logp_sum"] / tokens,
             "behaviour_mismatch": t["mismatch_sum"] / tokens,
         }
         if self.cfg.beta:
-            out["kl"] = t["kl_sum"] / tokens
+            out["kl"] = t["kl_sum"] / kept
         if self.cfg.truncation is not None and self.cfg.truncation.active:
             # Loss tokens the sampler drew that the trainer's truncated policy (pass 1) excludes.
             out["outside_truncation_fraction"] = t["outside_truncation"] / tokens
+        if self.cfg.correction.depends_on_forward:
+            out["kept_tokens"] = t["kept"]
+        out.update(correction_metrics(by_group.sum(0), by_group[:, w_max].max()))
+        present = [g for g in range(len(STALENESS_GROUPS)) if by_group[g, PER_SEQUENCE.index("present")] > 0]
+        if len(present) > 1:  # the batch mixes staleness values: the same numbers per staleness
+            for g in present:
+                for name, value in correction_metrics(by_group[g], by_group[g, w_max]).items():
+                    out[f"{name}_stale{STALENESS_GROUPS[g]}"] = value
         return out
+
+
+STALENESS_GROUPS = ("0", "1", "2plus")  # step - policy_version: 0, 1, 2 or more
+
+
+def _add_by_group(by_group: torch.Tensor, per_sequence: dict[str, torch.Tensor], groups: torch.Tensor | None) -> None:
+    """Add one micro-batch's per-sequence correction sums into [group, PER_SEQUENCE] (max for
+    w_raw_max); all sequences count as staleness 0 when `groups` is None."""
+    rows = torch.stack([per_sequence[name].cpu() for name in PER_SEQUENCE], dim=1)  # [B, metrics]
+    g = groups if groups is not None else torch.zeros(rows.shape[0], dtype=torch.long)
+    w_max = PER_SEQUENCE.index("w_raw_max")
+    for group in g.unique().tolist():
+        picked = rows[g == group]
+        peak = torch.maximum(by_group[group, w_max], picked[:, w_max].max())
+        by_group[group] += picked.sum(0)
+        by_group[group, w_max] = peak
+
+
+def correction_metrics(row: torch.Tensor, w_max: torch.Tensor | float) -> dict[str, float]:
+    """The mismatch and correction metrics of one row of PER_SEQUENCE sums (docs/corrections.md)."""
+    v = dict(zip(PER_SEQUENCE, row.tolist()))
+    tokens, sequences = max(v["tokens"], 1.0), max(v["present"], 1.0)
+    return {
+        "mismatch_k1": v["k1"] / tokens,
+        "mismatch_k2": v["k2"] / tokens,
+        "mismatch_k3": v["k3"] / tokens,
+        "is_weight_raw_mean": v["w_raw_sum"] / tokens,
+        "is_weight_raw_max": float(w_max),
+        "is_masked_fraction": v["masked"] / tokens,
+        "rejected_fraction": v["rejected"] / sequences,
+    }

@@ -52,6 +52,25 @@ the length normalisation keeps s_i in the same range as a token ratio whatever t
 which is why the same epsilons apply. A sequence is then clipped as a whole, not token by
 token. With one loss token per sequence both levels are the same objective.
 
+Corrections when mu is far from pi_old (`is_mode`, `seq_reject`; docs/corrections.md). With
+log w_t = old_t - behaviour_t (or the sequence mean of it, at the sequence level):
+
+* `truncate`       w_t = min(exp(log w_t), C) as above (C = `tis_cap`).
+* `mask`           a token whose exp(log w_t) lies outside [is_low, is_high] carries no loss at
+                   all (IcePop-style masking); the others keep their untruncated w_t.
+* `mask_truncate`  the same band, and the kept weights truncated at C.
+* sequence rejection (`seq_reject` = [low, high], either side optional): a sequence whose
+                   geometric-mean weight exp((1/n_i) sum_t m_it log w_it) lies outside the band
+                   carries no loss at all.
+
+A masked token or a rejected sequence is removed from the loss mask before anything else, so
+it drops out of the aggregation exactly as a loss-masked token does: out of n_i, out of N'
+when none of its tokens is left (grpo), out of sum n_i (dapo), out of N (dr_grpo, rejected
+sequences only: L stays constant). Its gradient is exactly zero, KL term included. The kept
+set depends on pi_old, known only after each micro-batch's forward, so the learner then
+computes the normaliser as it goes (`LossOutput.normalizer_part`) and scales the gradients
+once every micro-batch is done (learner.py), which is the same gradient.
+
 Masked positions (m_it = 0: prompt padding, tool output, a sample whose loss mask was
 cleared) may hold anything in `logp`, `old`, `behaviour` or `ref`: junk past the end of a
 row, -inf or a -9999 sentinel from an inference engine. Multiplying by the mask is not
@@ -74,12 +93,14 @@ transformers' Trainer normalises by the number of items in the whole batch).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from services.trainer.corrections import Correction
 from shared.contract import LOSS_NAMES, Truncation
 from shared.truncation import thresholds
 
@@ -231,9 +252,9 @@ def importance_weights(old: torch.Tensor, behaviour: torch.Tensor, cap: float | 
 
 
 def _log_cap(cap: float) -> float:
-    # log C as float32 computes it, so that the weights (clamped at it) and the count of
-    # truncated tokens (compared with it) agree exactly on a float32 log-weight.
-    return float(torch.log(torch.tensor(cap)))
+    # The clamp of the weights and the count of truncated tokens compare the same log-weight
+    # with this same number, so they agree exactly.
+    return math.log(cap)
 
 
 def _truncated_exp(log_w: torch.Tensor, cap: float) -> torch.Tensor:
@@ -264,19 +285,29 @@ def loss_normalizer(loss_type: str, tokens_per_sequence: torch.Tensor, max_compl
     raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_NAMES}")
 
 
+# Per-sequence sums LossOutput.per_sequence holds (float64, [B]): loss tokens, the k1, k2 and k3
+# estimates of KL(mu || pi_old) summed over them, the IS weight before truncation or masking
+# (sum and max), tokens masked by the band, whether the sequence was rejected, and whether it
+# has loss tokens at all.
+PER_SEQUENCE = ("tokens", "k1", "k2", "k3", "w_raw_sum", "w_raw_max", "masked", "rejected", "present")
+
+
 @dataclass
 class LossOutput:
     """The loss to backpropagate plus detached sums for metrics (sums, not means, so
     micro-batches and ranks can be added before dividing by `tokens`)."""
 
     loss: torch.Tensor
-    tokens: float
-    clipped: float  # loss tokens where the clipped branch was taken (no gradient)
+    tokens: float  # tokens that carry loss (the loss mask, less masked tokens and rejected sequences)
+    clipped: float  # of those, where the clipped branch was taken (no gradient)
     is_weight_sum: float
     is_weight_max: float
-    is_truncated: float  # loss tokens whose weight hit the cap
+    is_truncated: float  # tokens whose weight hit the cap
     kl_sum: float
     ratio_sum: float
+    normalizer_part: float = 0.0  # this micro-batch's share of the normaliser, over what carries loss
+    signal: float = 0.0  # tokens that carry loss and can move the weights (advantage != 0, or a KL term)
+    per_sequence: dict[str, torch.Tensor] | None = None  # PER_SEQUENCE
 
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -297,14 +328,19 @@ def policy_loss(
     beta: float = 0.0,
     ref: torch.Tensor | None = None,
     importance_sampling_level: str = "token",
+    correction: Correction | None = None,
+    max_completion_length: int | None = None,
 ) -> LossOutput:
     """The loss of one micro-batch (see the module docstring for the math).
 
     logp, old, behaviour, mask: [B, T]; advantages: [B]. Positions where `mask` > 0 carry
-    loss; the others are ignored whatever they hold. `old` is ignored when `tis_cap` is None
-    (the ratio is then against `behaviour`). `normalizer` is the global normaliser of the
-    whole optimizer batch (`loss_normalizer`, summed). `importance_sampling_level` "token"
-    takes one ratio and one IS weight per token, "sequence" one per sequence (GSPO).
+    loss; the others are ignored whatever they hold. `old` is pi_old; it anchors the ratio
+    unless importance sampling is off (`tis_cap` None in truncate mode: then `behaviour` does).
+    `normalizer` is the global normaliser of the whole optimizer batch (`loss_normalizer`,
+    summed), or 1 when the caller normalises afterwards (`normalizer_part`).
+    `importance_sampling_level` "token" takes one ratio and one IS weight per token,
+    "sequence" one per sequence (GSPO). `correction` (default: truncate at `tis_cap`) says how
+    the weights are applied; `max_completion_length` is dr_grpo's L, for `normalizer_part`.
     The metrics count tokens at either level: a clipped sequence adds its loss tokens to
     `clipped`, a truncated one to `is_truncated`.
     """
@@ -315,28 +351,60 @@ def policy_loss(
                          f"expected one of {IMPORTANCE_SAMPLING_LEVELS}")
     if beta and ref is None:
         raise ValueError("beta > 0 needs reference logprobs `ref`")
+    correction = correction or Correction(cap=tis_cap)
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    live = mask > 0
+    sequence_level = importance_sampling_level == "sequence"
+    loss_mask = mask > 0
+
+    # Sanitise every input before any arithmetic: see "Masked positions" in the module
+    # docstring. `where` passes a zero gradient to the masked logp, never a NaN.
+    behaviour_m = torch.where(loss_mask, behaviour.to(logp.dtype), 0.0)
+    old_m = torch.where(loss_mask, old.detach().to(logp.dtype), 0.0)
+    # log(pi_old / mu) per token, detached, and what the corrections act on: the token's, or
+    # its sequence's mean at the sequence level.
+    log_w_token = (old_m - behaviour_m).detach().to(torch.promote_types(logp.dtype, torch.float32))
+    n_all = loss_mask.sum(-1, keepdim=True)
+    log_w_seq = log_w_token.sum(-1, keepdim=True) / n_all.clamp(min=1)
+    log_w = log_w_seq.expand_as(log_w_token) if sequence_level else log_w_token
+
+    live = loss_mask
+    masked_by_band = torch.zeros_like(loss_mask)
+    rejected = torch.zeros_like(n_all, dtype=torch.bool)
+    if correction.mode != "truncate":
+        low, high = correction.band
+        masked_by_band = loss_mask & ((log_w < _log_cap(low)) | (log_w > _log_cap(high)))
+        live = live & ~masked_by_band
+    if correction.rejects:
+        r_low, r_high = correction.reject
+        rejected = n_all > 0
+        outside = torch.zeros_like(rejected)
+        if r_low is not None:
+            outside = outside | (log_w_seq < _log_cap(r_low))
+        if r_high is not None:
+            outside = outside | (log_w_seq > _log_cap(r_high))
+        rejected = rejected & outside
+        live = live & ~rejected
 
     def masked(x: torch.Tensor) -> torch.Tensor:
         return torch.where(live, x, 0.0)
 
-    # Sanitise every input before any arithmetic: see "Masked positions" in the module
-    # docstring. `where` passes a zero gradient to the masked logp, never a NaN.
     logp_m = masked(logp)
-    behaviour_m = masked(behaviour.to(logp.dtype))
-    anchor = masked(old.detach().to(logp.dtype)) if tis_cap is not None else behaviour_m
+    anchor = masked(old_m) if correction.proximal else masked(behaviour_m)
     log_ratio = logp_m - anchor
-    log_w = (anchor - behaviour_m).detach().float()
     tokens_per_seq = live.sum(-1, keepdim=True)
-    if importance_sampling_level == "sequence":
+    if sequence_level:
         # Means over each sequence's loss tokens, broadcast back to its tokens.
         n = tokens_per_seq.clamp(min=1).to(logp.dtype)
         log_ratio = (log_ratio.sum(-1, keepdim=True) / n).expand_as(logp)
-        log_w = (log_w.sum(-1, keepdim=True) / n.float()).expand_as(logp)
 
     ratio = masked(torch.exp(log_ratio))
-    weights = torch.ones_like(logp) if tis_cap is None else masked(_truncated_exp(log_w, tis_cap).to(logp.dtype))
+    cap = correction.weight_cap
+    if not correction.proximal:
+        weights = torch.ones_like(logp)
+    elif cap is None:
+        weights = masked(torch.exp(log_w).to(logp.dtype))
+    else:
+        weights = masked(_truncated_exp(log_w, cap).to(logp.dtype))
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high) * adv
@@ -360,8 +428,16 @@ def policy_loss(
         took_clip = (clipped < unclipped) & live
         masked_w = masked(weights)
         truncated = 0.0
-        if tis_cap is not None:
-            truncated = float(((log_w >= _log_cap(tis_cap)) & live).sum())
+        if cap is not None and correction.proximal:
+            truncated = float(((log_w >= _log_cap(cap)) & live).sum())
+        kept_sequences = tokens_per_seq.squeeze(-1)
+        if loss_type == "dr_grpo":
+            # N counts every sequence not rejected (a sequence without loss tokens included, as
+            # loss_normalizer does); L stays the constant it is.
+            normalizer_part = float((~rejected).sum()) * float(max_completion_length or 0)
+        else:
+            normalizer_part = loss_normalizer(loss_type, kept_sequences, None)
+        movers = live if beta else live & (adv != 0)
         return LossOutput(
             loss=loss,
             tokens=float(live.sum()),
@@ -371,4 +447,28 @@ def policy_loss(
             is_truncated=truncated,
             kl_sum=float(kl.sum()) if kl is not None else 0.0,
             ratio_sum=float(ratio.sum()),
+            normalizer_part=normalizer_part,
+            signal=float(movers.sum()),
+            per_sequence=_per_sequence(log_w_token, log_w, loss_mask, masked_by_band, rejected),
         )
+
+
+def _per_sequence(log_w_token: torch.Tensor, log_w: torch.Tensor, loss_mask: torch.Tensor,
+                  masked_by_band: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """PER_SEQUENCE sums, over each sequence's loss tokens before any correction. The KL
+    estimates are of KL(mu || pi_old) from tokens sampled by mu, with log r = log pi_old - log mu:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman, "Approximating KL divergence")."""
+    lr = torch.where(loss_mask, log_w_token.double(), 0.0)
+    raw = torch.where(loss_mask, torch.exp(log_w.double()), 0.0)
+    tokens = loss_mask.sum(-1).double()
+    return {
+        "tokens": tokens,
+        "k1": (-lr).sum(-1),
+        "k2": (0.5 * lr * lr).sum(-1),
+        "k3": torch.where(loss_mask, torch.expm1(lr) - lr, 0.0).sum(-1),
+        "w_raw_sum": raw.sum(-1),
+        "w_raw_max": raw.amax(-1) if raw.shape[-1] else torch.zeros_like(tokens),
+        "masked": masked_by_band.sum(-1).double(),
+        "rejected": rejected.squeeze(-1).double(),
+        "present": (tokens > 0).double(),
+    }

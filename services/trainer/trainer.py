@@ -200,6 +200,8 @@ class Trainer:
                               tis_cap=s.tis_cap, beta=s.beta, temperature=temperature,
                               max_completion_length=max_len,
                               importance_sampling_level=s.importance_sampling_level,
+                              is_mode=s.is_mode, is_low=s.is_low, is_high=s.is_high,
+                              seq_reject_low=s.seq_reject_low, seq_reject_high=s.seq_reject_high,
                               mask_truncated_completions=s.mask_truncated_completions,
                               logprob_chunk_size=s.logprob_chunk_size, truncation=truncation)
 
@@ -281,7 +283,7 @@ class Trainer:
         t_train = time.monotonic()
         result = await self._in_thread(self.learner.train_on_samples, batch.samples,
                                        grad_accum_steps=s.grad_accum_steps,
-                                       num_iterations=s.num_iterations, lr=lr)
+                                       num_iterations=s.num_iterations, lr=lr, step=step)
         sums = await self._in_thread(all_reduce_rank_sums, rank_sums(batch, step), self.learner)
         train_s = time.monotonic() - t_train
         record = step_record(step, lr, result, sums, batch, wait_s, train_s)

@@ -34,6 +34,21 @@ def _gradients(model, samples, k: int, loss_type: str, distributed: bool) -> dic
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# Token masking and sequence rejection decide what carries loss from each rank's forward: the
+# normaliser is summed over ranks after the forwards and the gradients divided by it.
+MASKING = {"is_mode": "mask", "is_low": 0.8, "is_high": 1.25, "seq_reject_low": 0.85, "seq_reject_high": 1.15}
+
+
+def _masked_gradients(model, samples, k: int, loss_type: str, distributed: bool) -> dict[str, torch.Tensor]:
+    cfg = LossConfig(loss_type=loss_type, max_completion_length=8, **MASKING)
+    rank = dist.get_rank() if distributed else 0
+    sharding = make_sharding("ddp", distributed=distributed, rank=rank, world_size=WORLD if distributed else 1)
+    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg, sharding=sharding)
+    metrics = learner.train_on_samples(samples, grad_accum_steps=k)
+    assert 0 < metrics["kept_tokens"] < metrics["loss_tokens"]  # some taken out, some kept
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _rank_main(rank: int, base, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, WORLD)
@@ -44,8 +59,10 @@ def _rank_main(rank: int, base, store_path: str, out_dir: str) -> None:
         share = samples[rank * 4 : (rank + 1) * 4]  # the sampler's contiguous rank share
         for loss_type in LOSSES:
             grads = _gradients(model, share, 2, loss_type, distributed=True)
+            masked = _masked_gradients(model, share, 2, loss_type, distributed=True)
             if rank == 0:
                 torch.save(grads, Path(out_dir) / f"{loss_type}.pt")
+                torch.save(masked, Path(out_dir) / f"{loss_type}-masked.pt")
     finally:
         dist.destroy_process_group()
 
@@ -61,9 +78,10 @@ def test_two_ranks_equal_the_full_batch_gradient(tiny_model_dir: Path, tmp_path:
                        nprocs=WORLD, join=True, start_method="fork")
     samples = make_samples(8, seed=11)
     for loss_type in LOSSES:
-        full = _gradients(copy.deepcopy(base), samples, 1, loss_type, distributed=False)
-        split = torch.load(tmp_path / f"{loss_type}.pt")
-        assert split.keys() == full.keys()
-        for name in full:
-            torch.testing.assert_close(split[name], full[name], rtol=1e-9, atol=1e-12,
-                                       msg=lambda m, loss_type=loss_type, name=name: f"{loss_type} {name}: {m}")
+        for kind, gradients in (("", _gradients), ("-masked", _masked_gradients)):
+            full = gradients(copy.deepcopy(base), samples, 1, loss_type, distributed=False)
+            split = torch.load(tmp_path / f"{loss_type}{kind}.pt")
+            assert split.keys() == full.keys()
+            for name in full:
+                torch.testing.assert_close(split[name], full[name], rtol=1e-9, atol=1e-12,
+                                           msg=lambda m, loss_type=loss_type, name=name: f"{loss_type}{kind} {name}: {m}")
