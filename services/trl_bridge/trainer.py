@@ -257,18 +257,24 @@ class TandemGRPOTrainer(GRPOTrainer):
         stale = [contract.staleness(step, s.policy_version) for s in samples]
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64, device=device)
         tokens = mask.sum()
-        delta = ((old - behaviour).abs() * mask).sum()
+        log_r = torch.where(mask > 0, old - behaviour, 0.0).double()  # log pi_old / mu
+        delta = (log_r.abs() * mask).sum()
+        # The native trainer's estimates of KL(mu || pi_old) over the loss tokens (learner.py).
+        k1, k2, k3 = (-log_r * mask).sum(), (0.5 * log_r ** 2 * mask).sum(), ((torch.expm1(log_r) - log_r) * mask).sum()
         local = torch.stack([
             rewards.sum(), (rewards ** 2).sum(), torch.tensor(float(len(samples)), dtype=torch.float64, device=device),
             torch.tensor(float(sum(stale)), dtype=torch.float64, device=device),
             torch.tensor(float(sum(len(s.completion_token_ids) for s in samples)), dtype=torch.float64, device=device),
             tokens.double(), delta.double(),
             (ratio * mask).sum().double() if ratio is not None and ratio.shape == mask.shape else tokens.double(),
+            k1, k2, k3,
         ])
         total = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
         peaks = torch.tensor([float(max(stale, default=0)), wait_s], dtype=torch.float64, device=device)
         peaks = acc.reduce(peaks, reduction="max") if acc.num_processes > 1 else peaks
-        r_sum, r_sq, n, s_sum, c_len, tok, d_sum, ratio_sum = total.tolist()
+        r_sum, r_sq, n, s_sum, c_len, tok, d_sum, ratio_sum, k1_sum, k2_sum, k3_sum = total.tolist()
+        mismatch = {"mismatch_k1": k1_sum / max(tok, 1.0), "mismatch_k2": k2_sum / max(tok, 1.0),
+                    "mismatch_k3": k3_sum / max(tok, 1.0)}
         mean = r_sum / n
         m = self._metrics["train"]
         m["reward"].append(mean)
@@ -279,10 +285,13 @@ class TandemGRPOTrainer(GRPOTrainer):
         m["tandem/staleness_max"].append(peaks[0].item())
         m["tandem/batch_wait_s"].append(peaks[1].item())
         m["sampling/sampling_logp_difference/mean"].append(d_sum / max(tok, 1.0))
+        for name, value in mismatch.items():
+            m[f"tandem/{name}"].append(value)
         if ratio is not None and ratio.shape == mask.shape:
             m["sampling/importance_sampling_ratio/mean"].append(ratio_sum / max(tok, 1.0))
         self._step_metrics = {"reward_mean": mean, "staleness_mean": s_sum / n, "staleness_max": peaks[0].item(),
-                              "batch_wait_s": peaks[1].item(), "behaviour_mismatch": d_sum / max(tok, 1.0)}
+                              "batch_wait_s": peaks[1].item(), "behaviour_mismatch": d_sum / max(tok, 1.0),
+                              **mismatch}
         self.tandem_batches.append({
             "step": step, "global_step": self.state.global_step, "batch_step": batch.step,
             "samples": len(samples), "policy_versions": sorted({s.policy_version for s in samples}),

@@ -101,6 +101,10 @@ def test_learns_the_toy_task_and_publishes_every_version(make_toy_stack, tiny_mo
     # eval from before it is in TRL's log output but not in this run's history).
     history = trainer.state.log_history
     assert sum("tandem/staleness_mean" in h for h in history) == steps
+    # The mismatch estimates the native trainer reports: k3 >= 0, and tiny where the CPU server
+    # computes the trainer's numbers (samples up to one version old here).
+    k3 = [h["tandem/mismatch_k3"] for h in history if "tandem/mismatch_k3" in h]
+    assert len(k3) == steps and all(0 <= v < 0.05 for v in k3), k3
     assert [h["after_reward"] for h in history if "after_reward" in h] == [after["after_reward"]]
 
 
