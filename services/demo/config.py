@@ -25,6 +25,12 @@ from shared.settings import EnvArgs, TandemSettings
 # (bench/results/convergence_dialogue.md).
 STEPS_BY_ENV = {"toy": 150, "parity_dialogue": 250}
 
+# The native trainer's settings the demo derives from its own (Demo._trainer_argv); trainer_args
+# may not override them.
+TRAINER_FLAGS_SET_BY_DEMO = frozenset({
+    "model", "sampler_url", "run_dir", "per_device_batch_size", "grad_accum_steps", "max_steps",
+    "learning_rate", "loss", "eval_every", "eval_examples", "seed", "progress", "log_level", "api_token"})
+
 
 class DemoSettings(TandemSettings):
     """The whole stack on one machine: a fresh model, CPU inference, sampler and trainer."""
@@ -72,6 +78,10 @@ class DemoSettings(TandemSettings):
         "the sampler (examples/trl_grpo.py, README \"TRL\"; needs the trl extra, which `make install` installs)")
     eval_every: int = Field(default=10, ge=0, description="greedy eval every N steps (0: only before and after)")
     eval_examples: int = Field(default=64, ge=1)
+    trainer_args: EnvArgs = Field(
+        default_factory=dict, description="more settings for the native trainer (JSON, `tandem trainer` field "
+        'names), passed on as its flags, e.g. {"tis_cap": 0, "max_behaviour_mismatch": 0}; not the ones the '
+        "demo sets itself (batch shape, steps, learning rate, loss, evals, seed, URLs, run_dir)")
 
     # Processes.
     torch_threads: int = Field(
@@ -115,6 +125,12 @@ class DemoSettings(TandemSettings):
 
             if importlib.util.find_spec("trl") is None:
                 raise ValueError("trainer = trl needs TRL: pip install -e '.[trl]' (make install does)")
+        if self.trainer_args:
+            if self.trainer != "native":
+                raise ValueError("trainer_args is for the native trainer (--trainer native)")
+            clash = sorted(set(self.trainer_args) & TRAINER_FLAGS_SET_BY_DEMO)
+            if clash:
+                raise ValueError(f"trainer_args {clash}: the demo sets these itself; use the demo's own settings")
         if self.port and self.port == self.inference_port:
             raise ValueError(f"port and inference_port are both {self.port}; give them different ports (or 0)")
         return self

@@ -246,7 +246,8 @@ class Demo:
                 "trainer", model=model_dir, sampler_url=self.sampler_url, run_dir=self.run_dir,
                 per_device_batch_size=s.per_device_batch_size, grad_accum_steps=s.grad_accum_steps,
                 max_steps=s.steps, learning_rate=s.learning_rate, loss=s.loss, eval_every=s.eval_every,
-                eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level)
+                eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level,
+                **{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in s.trainer_args.items()})
         flags = {"sampler_url": self.sampler_url, "model": model_dir, "max_steps": s.steps,
                  "output_dir": self.trainer_dir, "per_device_batch_size": s.per_device_batch_size,
                  "learning_rate": s.learning_rate, "loss": s.loss, "eval_every": s.eval_every,
