@@ -36,17 +36,18 @@ async def test_every_turn_of_a_trajectory_goes_to_one_server_and_trajectories_sp
 
 
 async def _conversations_under_way(standins, make_rollouts):
-    """Six 4-turn trajectories over both stand-ins, once one of them is bound to the first:
-    (the pool's record of the first server, the group's task)."""
+    """Six 4-turn trajectories over both stand-ins, once a request of one of them has reached the
+    first (the pool binding a trajectory to it is not enough: on a loaded machine the request
+    may still be on its way, and the first server would have seen nothing of it): (the pool's
+    record of the first server, the group's task)."""
     env = EchoDialogue(max_turns=4)
     first, second = standins
     rollouts = make_rollouts(env, [first.url, second.url], max_tokens=40)
     httpx.post(first.url + "/_standin/configure", json={"reply": "x" * 40}).raise_for_status()
     task = asyncio.create_task(rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=6))
-    server = rollouts.pool.find(first.url)
-    while not any(url == server.url for url in rollouts.pool.sessions.values()):
+    while not await asyncio.to_thread(sessions, first):
         await asyncio.sleep(0.01)
-    return rollouts.pool, server, task
+    return rollouts.pool, rollouts.pool.find(first.url), task
 
 
 async def _handed_over(task, first, second) -> None:

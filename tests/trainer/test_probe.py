@@ -20,7 +20,7 @@ from services.trainer.probe import compute_probe, probe_token_ids, saved_dtype
 from services.trainer.step_record import published_metrics
 from shared.probe import Probe, compare
 from shared.settings import build
-from shared.wire import WeightsVersionRequest
+from shared.wire import MAX_METRICS, WeightsVersionRequest
 from tests.trainer.conftest import make_samples
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,8 +121,8 @@ def test_published_metrics_keep_finite_numbers_only() -> None:
               "samples": 8}
     got = published_metrics(record)
     assert got == {"step": 3, "loss": -0.5, "behaviour_mismatch": 1e-4, "samples": 8}
-    many = published_metrics({f"k{i}": float(i) for i in range(100)})
-    assert len(many) == 64
+    many = published_metrics({f"k{i}": float(i) for i in range(MAX_METRICS + 36)})
+    assert len(many) == MAX_METRICS and list(many)[-1] == f"k{MAX_METRICS - 1}"  # the first ones, in order
     # The sampler's request model accepts both.
     WeightsVersionRequest(version=4, checkpoint_path="/x", metrics=got)
     WeightsVersionRequest(version=4, checkpoint_path="/x", metrics=many)
