@@ -194,8 +194,7 @@ class TrainerSettings(TandemSettings):
 
     def correction(self) -> Correction:
         """The corrections as the loss applies them; raises ValueError with what to fix."""
-        return Correction(mode=self.is_mode, cap=self.tis_cap, band=(self.is_low, self.is_high),
-                          reject=(self.seq_reject_low, self.seq_reject_high))
+        return Correction.of(self)
 
     @property
     def clip_high(self) -> float:

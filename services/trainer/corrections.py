@@ -5,6 +5,7 @@ the trainer's settings import it before any heavy module loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 IS_MODES = ("truncate", "mask", "mask_truncate")
 
@@ -37,6 +38,13 @@ class Correction:
         if r_high is not None and not r_high > 1:
             raise ValueError(f"seq_reject_high must be > 1, got {r_high}")
 
+    @classmethod
+    def of(cls, settings: Any) -> Correction:
+        """The correction named by an object with the trainer's setting names (TrainerSettings,
+        LossConfig): is_mode, tis_cap, is_low, is_high, seq_reject_low, seq_reject_high."""
+        return cls(mode=settings.is_mode, cap=settings.tis_cap, band=(settings.is_low, settings.is_high),
+                   reject=(settings.seq_reject_low, settings.seq_reject_high))
+
     @property
     def weight_cap(self) -> float | None:
         return None if self.mode == "mask" else self.cap
@@ -56,5 +64,3 @@ class Correction:
         """Whether what carries loss depends on pi_old (masking, rejection): the normaliser is
         then known only after the forwards."""
         return self.mode != "truncate" or self.rejects
-
-

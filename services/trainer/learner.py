@@ -37,15 +37,16 @@ from typing import Any
 import torch
 
 from services.trainer.collate import MicroBatch, split_micro_batches
+from services.trainer.corrections import Correction
 from services.trainer.loss import (
     IMPORTANCE_SAMPLING_LEVELS,
     PER_SEQUENCE,
-    Correction,
     loss_normalizer,
     policy_loss,
     truncated_token_logprobs,
 )
 from services.trainer.sharding import Sharding, make_sharding
+from shared import contract
 from shared.contract import LOSS_NAMES, Truncation
 from shared.wire import Sample
 
@@ -87,8 +88,7 @@ class LossConfig:
 
     @property
     def correction(self) -> Correction:
-        return Correction(mode=self.is_mode, cap=self.tis_cap, band=(self.is_low, self.is_high),
-                          reject=(self.seq_reject_low, self.seq_reject_high))
+        return Correction.of(self)
 
 
 def _accepts(model: Any, name: str) -> bool:
@@ -290,7 +290,8 @@ class Learner:
                                             mask_truncated=self.cfg.mask_truncated_completions)
         groups = None
         if step is not None:
-            group_of = [min(max(step - s.policy_version, 0), len(STALENESS_GROUPS) - 1) for s in samples]
+            last = len(STALENESS_GROUPS) - 1
+            group_of = [min(max(contract.staleness(step, s.policy_version), 0), last) for s in samples]
             groups = [torch.tensor([group_of[i] for i in mb.indices]) for mb in micro_batches]
         # Masking and rejection decide what carries loss from pi_old, which each micro-batch's
         # forward computes: the loss is then taken over a normaliser of 1 and the gradients

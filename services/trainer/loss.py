@@ -430,13 +430,12 @@ def policy_loss(
         truncated = 0.0
         if cap is not None and correction.proximal:
             truncated = float(((log_w >= _log_cap(cap)) & live).sum())
-        kept_sequences = tokens_per_seq.squeeze(-1)
         if loss_type == "dr_grpo":
             # N counts every sequence not rejected (a sequence without loss tokens included, as
             # loss_normalizer does); L stays the constant it is.
             normalizer_part = float((~rejected).sum()) * float(max_completion_length or 0)
         else:
-            normalizer_part = loss_normalizer(loss_type, kept_sequences, None)
+            normalizer_part = loss_normalizer(loss_type, tokens_per_seq.squeeze(-1), None)
         movers = live if beta else live & (adv != 0)
         return LossOutput(
             loss=loss,
@@ -453,19 +452,26 @@ def policy_loss(
         )
 
 
+def mismatch_estimates(log_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token k1, k2 and k3 estimates of KL(mu || pi_old) from tokens sampled by mu, with
+    log r = log pi_old - log mu: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman,
+    "Approximating KL divergence"). All three are 0 where log r is 0, as at masked positions
+    zeroed by the caller. The native trainer and the TRL bridge both report these."""
+    return -log_r, 0.5 * log_r * log_r, torch.expm1(log_r) - log_r
+
+
 def _per_sequence(log_w_token: torch.Tensor, log_w: torch.Tensor, loss_mask: torch.Tensor,
                   masked_by_band: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
-    """PER_SEQUENCE sums, over each sequence's loss tokens before any correction. The KL
-    estimates are of KL(mu || pi_old) from tokens sampled by mu, with log r = log pi_old - log mu:
-    k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (Schulman, "Approximating KL divergence")."""
-    lr = torch.where(loss_mask, log_w_token.double(), 0.0)
+    """PER_SEQUENCE sums, over each sequence's loss tokens before any correction (the KL
+    estimates: `mismatch_estimates`)."""
+    k1, k2, k3 = mismatch_estimates(torch.where(loss_mask, log_w_token.double(), 0.0))
     raw = torch.where(loss_mask, torch.exp(log_w.double()), 0.0)
     tokens = loss_mask.sum(-1).double()
     return {
         "tokens": tokens,
-        "k1": (-lr).sum(-1),
-        "k2": (0.5 * lr * lr).sum(-1),
-        "k3": torch.where(loss_mask, torch.expm1(lr) - lr, 0.0).sum(-1),
+        "k1": k1.sum(-1),
+        "k2": k2.sum(-1),
+        "k3": k3.sum(-1),
         "w_raw_sum": raw.sum(-1),
         "w_raw_max": raw.amax(-1) if raw.shape[-1] else torch.zeros_like(tokens),
         "masked": masked_by_band.sum(-1).double(),

@@ -49,6 +49,7 @@ from transformers import Trainer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
+from services.trainer.loss import mismatch_estimates
 from services.trainer.metrics import MetricsLogger, eval_reward
 from services.trl_bridge.agreement import check_grpo_config, tandem_step, version_after
 from services.trl_bridge.inputs import to_tensors
@@ -257,10 +258,10 @@ class TandemGRPOTrainer(GRPOTrainer):
         stale = [contract.staleness(step, s.policy_version) for s in samples]
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64, device=device)
         tokens = mask.sum()
-        log_r = torch.where(mask > 0, old - behaviour, 0.0).double()  # log pi_old / mu
-        delta = (log_r.abs() * mask).sum()
-        # The native trainer's estimates of KL(mu || pi_old) over the loss tokens (learner.py).
-        k1, k2, k3 = (-log_r * mask).sum(), (0.5 * log_r ** 2 * mask).sum(), ((torch.expm1(log_r) - log_r) * mask).sum()
+        log_r = torch.where(mask > 0, old - behaviour, 0.0).double()  # log pi_old / mu on the loss tokens
+        delta = log_r.abs().sum()
+        # The native trainer's estimates of KL(mu || pi_old) over the loss tokens.
+        k1, k2, k3 = (k.sum() for k in mismatch_estimates(log_r))
         local = torch.stack([
             rewards.sum(), (rewards ** 2).sum(), torch.tensor(float(len(samples)), dtype=torch.float64, device=device),
             torch.tensor(float(sum(stale)), dtype=torch.float64, device=device),
