@@ -256,12 +256,15 @@ class SamplerClient:
     async def publish_weights(self, version: int, checkpoint_path: str | None = None, *,
                               probe: dict[str, Any] | None = None,
                               metrics: dict[str, float] | None = None,
-                              resume_step: int | None = None) -> WeightsVersion:
+                              resume_step: int | None = None, adapter: bool = False) -> WeightsVersion:
         """Publish `version`; with a `probe` (shared/probe.py) every server the sampler loads the
         checkpoint into must compute the trainer's logprobs, and `metrics` show on the dashboard.
-        `resume_step`: the step this trainer would restart from; the sampler keeps its batches."""
+        `resume_step`: the step this trainer would restart from; the sampler keeps its batches.
+        `adapter`: the checkpoint is a LoRA adapter (shared/adapters.py), not full weights."""
         what = f"POST /weights_version version={version}"
         body: dict[str, Any] = {"version": version, "checkpoint_path": checkpoint_path}
+        if adapter:
+            body["adapter"] = True
         if resume_step is not None:
             body["resume_step"] = resume_step
         if probe is not None:

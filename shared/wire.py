@@ -134,6 +134,11 @@ class WeightsVersionRequest(BaseModel):
         description="HF-format checkpoint directory the sampler loads into every inference "
         "server; null when the trainer already pushed the weights itself",
     )
+    adapter: bool = Field(
+        default=False,
+        description="true: checkpoint_path holds a PEFT LoRA adapter (shared/adapters.py) for the base model "
+        "the inference servers were started with, loaded as the run's adapter instead of full weights",
+    )
     probe: Probe | None = Field(
         default=None,
         description="token ids and the trainer's logprobs for them under these weights: every server the "
@@ -198,6 +203,7 @@ class InferenceServerRemoved(_Open):
 class WeightsVersion(_Open):
     version: int
     checkpoint_path: str | None = None
+    adapter: bool = False  # checkpoint_path is a LoRA adapter (shared/adapters.py)
     servers: list[ServerVersion] = Field(default_factory=list)
     min_served_version: int | None = None
 
