@@ -10,7 +10,7 @@ import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator, field_validator, model_validator
 
 from shared.probe import Probe, ProbeResult
 
@@ -155,6 +155,13 @@ class WeightsVersionRequest(BaseModel):
         description="the trainer's metrics for the step that made this version (behaviour_mismatch, loss, "
         "...): shown on the dashboard and in /status",
     )
+
+    @model_validator(mode="after")
+    def _adapter_has_a_path(self) -> WeightsVersionRequest:
+        if self.adapter and not self.checkpoint_path:
+            raise ValueError("adapter is true but checkpoint_path is null: an adapter is loaded from a directory; "
+                             "send the published adapter's checkpoint_path")
+        return self
 
     @field_validator("metrics")
     @classmethod

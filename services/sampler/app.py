@@ -129,7 +129,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         def rollouts_for(env_name: str | None) -> Rollouts:
             return rollouts if env_name in (None, "", settings.env) else make_rollouts(load_environment(env_name))
 
-        weight_sync = WeightSync(pool, store, resume_deadline=settings.resume_deadline)
+        weight_sync = WeightSync(pool, store, resume_deadline=settings.resume_deadline,
+                                 adapter_name=settings.adapter_name)
         drill = drills.from_env(os.environ)  # inert unless a restart drill set TANDEM_DRILL_PAUSE
         curriculum = None
         if settings.curriculum:

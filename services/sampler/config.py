@@ -7,6 +7,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from shared import contract
+from shared.adapters import DEFAULT_ADAPTER_NAME
 from shared.settings import CommaList, EnvArgs, TandemSettings, json_if_str
 
 
@@ -129,6 +130,10 @@ class SamplerSettings(TandemSettings):
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="larger request bodies are answered 413")
     rollout_log: bool = Field(default=True, description="append every sealed batch to run_dir/rollouts/*.parquet")
     model_name: str | None = Field(default=None, description="model id sent to inference; unset = first of /v1/models")
+    adapter_name: str = Field(
+        default=DEFAULT_ADAPTER_NAME, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$",
+        description="in a LoRA run (the trainer publishes adapters), the name each inference server serves the "
+        "adapter under, and the `model` of every request once a server has it (shared/adapters.py)")
     eval_examples: int = Field(default=64, ge=1, description="default num_examples for POST /eval")
     # Environment code (docs/environments.md).
     env_workers: int = Field(

@@ -144,7 +144,7 @@ class Fleet:
                 raise JoinRefused(422, f"{url} does not answer GET /weight_info: {label.error}")
             async with self.sync.lock:
                 meta = await self.store.meta()
-                await self._bring_to(server, label, meta["version"], meta["checkpoint_path"])
+                await self._bring_to(server, label, meta["version"], meta["checkpoint_path"], meta["adapter"])
             await self.store.add_member(url)
             self.pool.set_state(server, OK)
             await self.sync.record(server)
@@ -157,9 +157,12 @@ class Fleet:
         finally:
             self._joining.discard(url)
 
-    async def _bring_to(self, server: Server, label: Label, published: int, checkpoint: str | None) -> None:
-        """Make a joining server serve `published`, or refuse it with the reason."""
-        if label.version == published or (not label.supported and checkpoint is None):
+    async def _bring_to(self, server: Server, label: Label, published: int, checkpoint: str | None,
+                        adapter: bool = False) -> None:
+        """Make a joining server serve `published`, or refuse it with the reason. In a LoRA run
+        (the published version is an adapter) the adapter is loaded whatever the label says:
+        a label alone cannot tell that the server holds the adapter under the run's name."""
+        if (label.version == published and not adapter) or (not label.supported and checkpoint is None):
             server.version = published
             return
         if label.version is None and published == 0 and checkpoint is None:
@@ -172,7 +175,7 @@ class Fleet:
                 "checkpoint_path (the trainer pushed the weights itself), so the sampler cannot load it: "
                 f"load version {published}'s weights into the server, label it (POST {server.url}"
                 f"/update_weight_version {{\"new_version\": \"{published}\"}}) and add it again"))
-        result = await self.sync.sync_server(server, published, checkpoint, await self.store.probe())
+        result = await self.sync.sync_server(server, published, checkpoint, await self.store.probe(), adapter=adapter)
         if not result.ok:
             raise JoinRefused(422, f"{server.url} could not load version {published} from {checkpoint!r}: {result.error}")
 
@@ -313,6 +316,7 @@ class Fleet:
             # What it serves is not what we recorded: no work for it until it is re-synced.
             server.version = None
             server.reload_method = None  # it may have been started differently
+            server.adapter = None  # and a restarted server holds no adapter
             self.pool.set_state(server, RESYNCING, why)
             await self.sync.record(server)
         self._heal(server, why)
@@ -364,7 +368,7 @@ class Fleet:
         try:
             async with self.sync.lock:
                 meta = await self.store.meta()
-                published, checkpoint = meta["version"], meta["checkpoint_path"]
+                published, checkpoint, adapter = meta["version"], meta["checkpoint_path"], meta["adapter"]
                 label = await self._read_label(server)
                 if not label.reachable:
                     self.pool.set_state(server, DOWN, f"not answering: {label.error}")
@@ -385,7 +389,8 @@ class Fleet:
                 self.pool.set_state(server, RESYNCING, why)
                 server.resyncs += 1
                 await self.sync.record(server)
-                result = await self.sync.sync_server(server, published, checkpoint, await self.store.probe())
+                result = await self.sync.sync_server(server, published, checkpoint, await self.store.probe(),
+                                                     adapter=adapter)
             if result.ok:
                 self._heal_backoff.pop(server.url, None)
                 server.note(f"re-synced to version {published} in {result.seconds:.2f}s "

@@ -85,6 +85,9 @@ class Server:
     syncing: bool = False
     resyncs: int = 0
     reload_method: str | None = None  # collective_rpc method that reloads its weights (weight_sync.py)
+    # The LoRA adapter its version is served through (shared/adapters.py), None for full weights:
+    # every request sent to it then names the adapter as its `model`.
+    adapter: str | None = None
     last_probe: ProbeResult | None = None
     probe_failures: int = 0
     added_at: float = field(default_factory=time.time)
@@ -140,6 +143,7 @@ class Server:
             "last_sync_seconds": self.last_sync_seconds,
             "resyncs": self.resyncs,
             "reload_method": self.reload_method,
+            "adapter": self.adapter,
             "probe": self.last_probe.model_dump() if self.last_probe else None,
             "probe_failures": self.probe_failures,
             "added_at": self.added_at,
@@ -332,11 +336,14 @@ class InferencePool:
         for attempt in range(attempts):
             server = await self._wait_for_server(min_version, deadline, session)
             dispatched = server.version
+            # A LoRA run's policy is the adapter: whatever model the caller named, the server
+            # computes with the adapter it serves the version through.
+            payload = body if server.adapter is None else {**body, "model": server.adapter}
             server.outstanding += 1
             server.requests += 1
             dropped = False
             try:
-                response = await self.http.request("POST", server.url + path, json=body, headers=headers,
+                response = await self.http.request("POST", server.url + path, json=payload, headers=headers,
                                                    timeout=self.request_timeout)
             except TransportError as exc:
                 error = str(exc)

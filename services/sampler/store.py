@@ -67,15 +67,16 @@ redis.call('PUBLISH', ARGV[2], 'sealed:' .. ARGV[1])
 return 1
 """
 
-# KEYS: meta, probe. ARGV: version, checkpoint_path ('' for none), channel, time, probe JSON ('' for none).
+# KEYS: meta, probe. ARGV: version, checkpoint_path ('' for none), channel, time, probe JSON ('' for none),
+# adapter ('1': checkpoint_path is a LoRA adapter, '0': full weights).
 # Returns {outcome, previous}: outcome 2 = advanced, 1 = same version again, 0 = refused (lower).
-# The probe belongs to the version: written (or deleted) in the same step.
+# The probe and the adapter flag belong to the version: written (or deleted) in the same step.
 _PUBLISH = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local v = tonumber(ARGV[1])
 if v < cur then return {0, cur} end
 if v == cur then return {1, cur} end
-redis.call('HSET', KEYS[1], 'version', v, 'checkpoint_path', ARGV[2], 'published_at', ARGV[4])
+redis.call('HSET', KEYS[1], 'version', v, 'checkpoint_path', ARGV[2], 'published_at', ARGV[4], 'adapter', ARGV[6])
 if ARGV[5] == '' then redis.call('DEL', KEYS[2]) else redis.call('SET', KEYS[2], ARGV[5]) end
 redis.call('PUBLISH', ARGV[3], 'version:' .. v)
 return {2, cur}
@@ -182,9 +183,9 @@ class Store:
         # Steps whose batch this process has answered a GET /batch with (the recent ones).
         self._served: OrderedDict[int, asyncio.Event] = OrderedDict()
         self.recent_cap = recent_cap
-        # The last version this process published (version, checkpoint_path, probe JSON) and
+        # The last version this process published (version, checkpoint_path, probe JSON, adapter) and
         # the highest trim mark it set: what `reverify` writes back after a Redis restart.
-        self._acked: tuple[int, str, str] | None = None
+        self._acked: tuple[int, str, str, str] | None = None
         self._trim_mark = 0
         self.keys = keys
         self.stats_cap = stats_cap
@@ -377,6 +378,7 @@ class Store:
         return {
             "version": int(meta.get("version", 0)),
             "checkpoint_path": meta.get("checkpoint_path") or None,
+            "adapter": meta.get("adapter") == "1",
             "trimmed_below": int(meta.get("trimmed_below", 0)),
             "resume_step": int(meta["resume_step"]) if "resume_step" in meta else None,
             "published_at": float(meta["published_at"]) if "published_at" in meta else None,
@@ -387,16 +389,18 @@ class Store:
         return int(value) if value is not None else 0
 
     async def publish_version(self, version: int, checkpoint_path: str | None,
-                              probe: Probe | None = None) -> tuple[int, int]:
-        """(outcome, previous): outcome 2 advanced, 1 repeated, 0 refused as lower."""
+                              probe: Probe | None = None, *, adapter: bool = False) -> tuple[int, int]:
+        """(outcome, previous): outcome 2 advanced, 1 repeated, 0 refused as lower. `adapter`:
+        the checkpoint is a LoRA adapter (shared/adapters.py)."""
         now = time.time()
         probe_json = probe.model_dump_json() if probe else ""
+        flag = "1" if adapter else "0"
         outcome, previous = await self._publish(
             keys=[self.keys.meta, self.keys.probe],
-            args=[version, checkpoint_path or "", self.keys.events, now, probe_json],
+            args=[version, checkpoint_path or "", self.keys.events, now, probe_json, flag],
         )
         if int(outcome) == 2 or (int(outcome) == 1 and self._acked is None):
-            self._acked = (version, checkpoint_path or "", probe_json)
+            self._acked = (version, checkpoint_path or "", probe_json, flag)
         if int(outcome) == 2:
             # Publication history for the dashboard's timeline; capped like the stats stream.
             await self.r.zadd(self.keys.published, {str(version): now})
@@ -421,10 +425,10 @@ class Store:
                 restored.append(step)
         republished = None
         if self._acked is not None:
-            version, checkpoint_path, probe_json = self._acked
+            version, checkpoint_path, probe_json, flag = self._acked
             if await self.version() < version:
                 await self._publish(keys=[self.keys.meta, self.keys.probe],
-                                    args=[version, checkpoint_path, self.keys.events, time.time(), probe_json])
+                                    args=[version, checkpoint_path, self.keys.events, time.time(), probe_json, flag])
                 republished = version
         if self._trim_mark:
             await self.trim_below(self._trim_mark)

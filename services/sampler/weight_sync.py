@@ -10,6 +10,14 @@ happened before it, and is retried until it succeeds: a server must never be lef
 While a server syncs, new requests go elsewhere.
 
 Versions are labelled with the decimal string of the integer version.
+
+A LoRA adapter (`adapter=True`, shared/adapters.py) is loaded with vLLM's
+`POST /v1/load_lora_adapter` in place of the collective_rpc reload, always under the same
+name (`adapter_name`) and in place, so requests frozen by the pause continue on the new adapter
+as they would on new full weights; the probe then asks for the adapter by name. The first
+adapter a server gets is the exception: its requests in flight name the base model and would
+go on computing with it under the new label, so that pause waits for them to finish
+(`mode=wait`) instead of freezing them.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 from services.inference.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
 from services.sampler.inference_pool import MISMATCH, OK, RESYNCING, STALE, InferencePool, Server
 from services.sampler.store import Store
+from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
 from shared.http_client import Reply, TransportError
 from shared.probe import Probe, ProbeResult, compare, probe_request, served_logprobs
 from shared.probe import failed as probe_failed
@@ -67,8 +76,9 @@ def parse_version_label(body: Any) -> int | None:
 
 class WeightSync:
     def __init__(self, pool: InferencePool, store: Store, *, step_timeout: float = 300.0,
-                 resume_deadline: float = 60.0):
+                 resume_deadline: float = 60.0, adapter_name: str = DEFAULT_ADAPTER_NAME):
         self.pool = pool
+        self.adapter_name = adapter_name
         self.store = store
         self.step_timeout = step_timeout
         self.resume_deadline = resume_deadline
@@ -139,11 +149,11 @@ class WeightSync:
                 await asyncio.sleep(5.0)
 
     async def sync_server(self, server: Server, version: int, checkpoint_path: str,
-                          probe: Probe | None = None) -> SyncResult:
+                          probe: Probe | None = None, *, adapter: bool = False) -> SyncResult:
         task = asyncio.current_task()
         self._syncing.add(task)
         try:
-            return await self._sync_server(server, version, checkpoint_path, probe)
+            return await self._sync_server(server, version, checkpoint_path, probe, adapter)
         finally:
             self._syncing.discard(task)
 
@@ -168,11 +178,14 @@ class WeightSync:
             return method
         return server.reload_method
 
-    async def verify(self, server: Server, probe: Probe) -> ProbeResult:
-        """Ask `server` for the probe's prompt logprobs and compare them with the trainer's."""
+    async def verify(self, server: Server, probe: Probe, model: str | None = None) -> ProbeResult:
+        """Ask `server` for the probe's prompt logprobs (of `model`, an adapter's name, or the
+        served base model when None) and compare them with the trainer's."""
+        body = probe_request(probe.token_ids)
+        if model is not None:
+            body["model"] = model
         try:
-            reply = await self.pool.http.post(server.url + "/v1/completions", json=probe_request(probe.token_ids),
-                                              timeout=self.step_timeout)
+            reply = await self.pool.http.post(server.url + "/v1/completions", json=body, timeout=self.step_timeout)
         except TransportError as exc:
             return probe_failed(probe, str(exc))
         if reply.status_code >= 400:
@@ -182,20 +195,39 @@ class WeightSync:
         except ValueError as exc:
             return probe_failed(probe, str(exc))
 
+    async def _load(self, server: Server, checkpoint_path: str, adapter: bool) -> None:
+        """The reload step proper: the adapter under the run's name, or full weights."""
+        if not adapter:
+            method = await self.reload_method(server)
+            await self._call(server, "reload_weights", "POST", "/collective_rpc",
+                             json={"method": method, "kwargs": {"weights_path": checkpoint_path}})
+            return
+        try:
+            await self._call(server, "load_lora_adapter", "POST", LOAD_PATH,
+                             json=load_request(self.adapter_name, checkpoint_path))
+        except SyncStepError as exc:
+            if exc.status in (404, 405):
+                raise SyncStepError(exc.step, exc.status, (
+                    f"{exc}: this server does not serve LoRA adapters. Start vLLM with --enable-lora "
+                    "--max-lora-rank <the trainer's lora_rank or more> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                    "(Tandem's launcher: --lora), or Tandem's CPU server with --enable-lora")) from None
+            raise
+
     async def _sync_server(self, server: Server, version: int, checkpoint_path: str,
-                           probe: Probe | None) -> SyncResult:
+                           probe: Probe | None, adapter: bool) -> SyncResult:
         started = time.monotonic()
         server.syncing = True
         error: SyncStepError | None = None
         paused = False
         checked: ProbeResult | None = None
+        # Requests in flight on a server that has no adapter yet name the base model: let them
+        # finish on it rather than continue on the base under the adapter's version label.
+        pause_mode = "wait" if adapter and server.adapter is None else "keep"
         try:
             try:
-                method = await self.reload_method(server)
-                await self._call(server, "pause", "POST", "/pause", params={"mode": "keep"})
+                await self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode})
                 paused = True
-                await self._call(server, "reload_weights", "POST", "/collective_rpc",
-                                 json={"method": method, "kwargs": {"weights_path": checkpoint_path}})
+                await self._load(server, checkpoint_path, adapter)
                 await self._call(server, "update_weight_version", "POST", "/update_weight_version",
                                  json={"new_version": str(version)})
                 await self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache")
@@ -210,7 +242,7 @@ class WeightSync:
                 resumed = await asyncio.shield(resuming)
             if error is None and resumed and probe is not None:
                 # Still no work for it (syncing): first show that it computes the trainer's numbers.
-                checked = server.last_probe = await self.verify(server, probe)
+                checked = server.last_probe = await self.verify(server, probe, self.adapter_name if adapter else None)
         finally:
             server.syncing = False
         seconds = time.monotonic() - started
@@ -219,6 +251,7 @@ class WeightSync:
             server.last_error = None
             server.note(f"synced to version {version} in {seconds:.2f}s"
                         + (f", probe max diff {checked.max_abs_diff:.2g}" if checked else ""))
+            server.adapter = self.adapter_name if adapter else None
             self.pool.set_version(server.url, version)
             if server.state in (RESYNCING, STALE, MISMATCH):
                 self.pool.set_state(server, OK)  # it serves the published weights again
@@ -243,7 +276,7 @@ class WeightSync:
         await self.record(server)
         log.error("weight sync of %s failed: %s (paused=%s)", server.url, message, paused)
         client_error = bool(error and error.status is not None and 400 <= error.status < 500
-                            and error.step == "reload_weights")
+                            and error.step in ("reload_weights", "load_lora_adapter"))
         unreachable = error is not None and error.status is None
         if unreachable:
             self.pool.suspect(server, message)  # out of rotation; the fleet re-syncs it once it answers
@@ -258,9 +291,10 @@ class WeightSync:
         return result
 
     async def sync_all(self, version: int, checkpoint_path: str, servers: list[Server] | None = None,
-                       probe: Probe | None = None) -> list[SyncResult]:
+                       probe: Probe | None = None, *, adapter: bool = False) -> list[SyncResult]:
         targets = servers if servers is not None else self.pool.servers
-        return list(await asyncio.gather(*(self.sync_server(s, version, checkpoint_path, probe) for s in targets)))
+        return list(await asyncio.gather(*(self.sync_server(s, version, checkpoint_path, probe, adapter=adapter)
+                                           for s in targets)))
 
     async def relabel(self, server: Server, version: int) -> None:
         await self._call(server, "update_weight_version", "POST", "/update_weight_version",

@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 from fastapi import HTTPException, status
 
+from shared.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
+
 log = logging.getLogger("tandem.sampler.weights_check")
 
 # safetensors dtype -> (the unsigned integer of its width, the smallest non-finite pattern
@@ -97,6 +99,30 @@ class WeightsCheck:
                 detail=f"{checkpoint_path!r} holds non-finite weights: {shown}. Nothing was loaded into the inference "
                 "servers and the version is not published. The training step that wrote them diverged (lower the "
                 "learning rate, check the loss and gradient norm); publish a checkpoint with finite weights.")
+
+    @staticmethod
+    def refuse_wrong_kind(checkpoint_path: str, adapter: bool) -> None:
+        """HTTPException 422 when a directory the sampler can read is a LoRA adapter published as
+        full weights, or the other way round: the servers would refuse it, or worse, load
+        something else than the trainer meant. A path the sampler cannot see is not judged."""
+        path = Path(checkpoint_path)
+        try:
+            if not path.is_dir():
+                return
+            is_adapter = is_adapter_dir(path)
+        except OSError:
+            return
+        if adapter and not is_adapter:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                detail=f"{checkpoint_path!r} was published with adapter: true but holds no LoRA adapter (no "
+                f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}): publish the adapter directory (PEFT's save_pretrained "
+                "format), or full weights with adapter: false")
+        if is_adapter and not adapter:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                detail=f"{checkpoint_path!r} is a LoRA adapter ({ADAPTER_CONFIG}) but was published as full weights: "
+                "send adapter: true with it, so the sampler loads it into the servers as an adapter")
 
     def scan(self, checkpoint_path: str | os.PathLike) -> list[NonFinite]:
         """`scan_checkpoint`, skipped when the files are unchanged since they were last found clean."""

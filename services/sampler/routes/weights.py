@@ -18,6 +18,7 @@ async def _current(state: SamplerState) -> WeightsVersion:
     return WeightsVersion(
         version=meta["version"],
         checkpoint_path=meta["checkpoint_path"],
+        adapter=meta["adapter"],
         servers=servers,
         min_served_version=state.pool.min_version(),
         trimmed_below=meta["trimmed_below"],
@@ -49,12 +50,14 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
                 "versions only move forward",
             )
         if body.checkpoint_path:
+            state.weights_check.refuse_wrong_kind(body.checkpoint_path, body.adapter)  # 422: adapter or not
             await state.weights_check.refuse_nonfinite(body.checkpoint_path)  # 422 for NaN/inf weights
             # Servers out of rotation for a reason the fleet handles (down, joining, leaving)
             # are brought to the published version by the fleet once they can be.
             behind = [s for s in state.pool.servers if s.state not in (DOWN, JOINING, LEAVING)
                       and (s.version is None or s.version < body.version)]
-            results = await sync.sync_all(body.version, body.checkpoint_path, behind, body.probe)
+            results = await sync.sync_all(body.version, body.checkpoint_path, behind, body.probe,
+                                          adapter=body.adapter)
             refused = [r for r in results if not r.ok and not r.unreachable]
             if refused and not any(r.ok for r in results):
                 # Servers answered, and none serves it: the checkpoint (or the servers) is broken,
@@ -76,7 +79,8 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
         elif body.version > published:
             await sync.record_pushed(body.version)
         await state.drill.point("publishing", body.version)
-        outcome, previous = await state.store.publish_version(body.version, body.checkpoint_path, body.probe)
+        outcome, previous = await state.store.publish_version(body.version, body.checkpoint_path, body.probe,
+                                                              adapter=body.adapter)
         await state.drill.point("published", body.version)
         if outcome == 0:
             raise HTTPException(
