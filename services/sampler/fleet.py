@@ -265,9 +265,10 @@ class Fleet:
                 await self.sync.record(server)
             return
         meta = await self.store.meta()
-        await self._reconcile(server, label, meta["version"], meta["checkpoint_path"])
+        await self._reconcile(server, label, meta["version"], meta["checkpoint_path"], meta["adapter"])
 
-    async def _reconcile(self, server: Server, label: Label, published: int, checkpoint: str | None) -> None:
+    async def _reconcile(self, server: Server, label: Label, published: int, checkpoint: str | None,
+                         adapter: bool = False) -> None:
         """Decide what a server that answered needs, from its label (see the module doc)."""
         known = server.version
         if not label.supported:
@@ -296,6 +297,9 @@ class Fleet:
             label.version, restarted = 0, False
         if not restarted and label.version is not None:
             if label.version >= published:
+                # Synced by this process, another replica or before a restart: in a LoRA run a
+                # server at the published version serves it through the run's adapter.
+                server.adapter = self._adapter_name(label.version, adapter)
                 if known != label.version:
                     server.version = label.version
                     self.pool.changed()
@@ -320,6 +324,11 @@ class Fleet:
             self.pool.set_state(server, RESYNCING, why)
             await self.sync.record(server)
         self._heal(server, why)
+
+    def _adapter_name(self, version: int, adapter: bool) -> str | None:
+        """The adapter a server labelled `version` serves it through: none for version 0 (the base
+        model) or full weights; in a LoRA run the run's adapter."""
+        return self.sync.adapter_name if adapter and version > 0 else None
 
     def _stale(self, server: Server, why: str) -> None:
         server.version = None
@@ -377,6 +386,7 @@ class Fleet:
                 if label.version == published and server.state != MISMATCH:
                     # A publication (ours or another replica's) synced it while we waited.
                     server.version = published
+                    server.adapter = self._adapter_name(published, adapter)
                     self.pool.set_state(server, OK)
                     await self.sync.record(server)
                     return
