@@ -15,6 +15,7 @@ COMMANDS = {
     "trainer": ("services.trainer.entrypoint", "the GRPO trainer"),
     "inference": ("services.inference.entrypoint", "an inference server: CPU or vLLM (port 8000)"),
     "init-model": ("services.inference.init_model", "write a small random HF model directory"),
+    "export": ("services.trainer.export", "a model directory from a checkpoint (--merge: base + LoRA adapter)"),
     "status": ("services.status", "pretty-print a sampler's /status"),
 }
 

@@ -262,6 +262,20 @@ def _seal(tmp: Path, final: Path) -> Path:
     return final
 
 
+def write_dir(final: Path | str, write: Any) -> Path:
+    """Any directory written atomically (`tandem export`): `write(tmp)` fills a sibling staging
+    directory, which is fsynced and renamed to `final` (replacing one that is there)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Named after this process: the parent is the user's directory, so nothing else in it is touched.
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    with _staging(tmp):
+        write(tmp)
+        return _seal(tmp, final)
+
+
 def begin_checkpoint(run_dir: Path | str, step: int) -> Path:
     """Rank 0: an empty staging directory for checkpoint `step` (stale ones removed). Its name
     does not depend on the process, so every rank can write its optimizer shard into it
@@ -281,14 +295,18 @@ def _new_staging_dir(root: Path, name: str) -> Path:
 
 def commit_checkpoint(run_dir: Path | str, step: int, tmp: Path, *, model: Any,
                       state_dict: dict[str, Any] | None = None, model_dir: Path | str | None = None,
-                      state: dict[str, Any] | None = None) -> Path:
+                      state: dict[str, Any] | None = None, write_weights: Any = None) -> Path:
     """Rank 0: write the weights (`state_dict`, else the model's own) and the state file into
     the staging directory `tmp`, fsync, and rename it to `step-{step}`. On failure the staging
-    directory is removed and nothing else changes."""
+    directory is removed and nothing else changes. `write_weights(tmp)`, when given, writes the
+    weights instead of `save_pretrained` (a LoRA run's adapter, services/trainer/lora.py)."""
     with _staging(tmp):
-        # A copy: save_pretrained deletes the tied duplicate from the dict it is given.
-        model.save_pretrained(tmp, state_dict=dict(state_dict) if state_dict is not None else None,
-                              safe_serialization=True)
+        if write_weights is not None:
+            write_weights(tmp)
+        else:
+            # A copy: save_pretrained deletes the tied duplicate from the dict it is given.
+            model.save_pretrained(tmp, state_dict=dict(state_dict) if state_dict is not None else None,
+                                  safe_serialization=True)
         if model_dir is not None:
             copy_tokenizer_files(model_dir, tmp)
         full_state = {"step": step, "version": step + 1, "saved_at": time.time(), **(state or {})}
@@ -379,8 +397,31 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
     holding NaN or infinity: those must never reach inference."""
     from safetensors.torch import save_file
 
-    tensors = {name: t.detach().to(dtype).contiguous() if t.is_floating_point() else t.detach().contiguous()
-               for name, t in untie(state_dict, config).items()}
+    tensors = cast_tensors(untie(state_dict, config), dtype)
+
+    def write(tmp: Path) -> Path:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        config_dict = config.to_dict()
+        config_dict["torch_dtype"] = config_dict["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+        return tmp / WEIGHTS_FILE
+
+    return write_version(publish_root, version, tensors, dtype=dtype, step=step, write=write)
+
+
+def cast_tensors(state_dict: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    """Detached, contiguous copies of the floating-point tensors in `dtype` (the others as they are)."""
+    return {name: t.detach().to(dtype).contiguous() if t.is_floating_point() else t.detach().contiguous()
+            for name, t in state_dict.items()}
+
+
+def write_version(publish_root: Path | str, version: int, tensors: dict[str, Any], *, dtype: Any, step: int,
+                  write: Any, marker: dict[str, Any] | None = None) -> Path:
+    """`publish_root/version-{version}` atomically: `write(tmp)` writes the files (`tensors`, already in
+    `dtype`) into the staging directory and returns the weights file, then `published.json` (with
+    `marker`'s extra keys) marks it complete. Refuses (ValueError) tensors holding NaN or infinity:
+    those must never reach inference. Full weights (`publish_weights`) and LoRA adapters
+    (services/trainer/lora.py) are both written through here."""
     # Checked after the cast: a float16 cast can overflow to infinity on its own.
     bad = non_finite_tensors(tensors)
     if bad:
@@ -392,14 +433,11 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
     ensure_space(root, needed, what)
     tmp = _new_staging_dir(root, f".tmp-version-{version}-{os.getpid()}")
     with disk_errors(root, needed, what), _staging(tmp):
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        config_dict = config.to_dict()
-        config_dict["torch_dtype"] = config_dict["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+        weights = write(tmp)
         # Written last: its presence is what marks the version complete.
         (tmp / PUBLISHED_FILE).write_text(json.dumps(
             {"version": version, "step": step, "dtype": str(dtype).removeprefix("torch."),
-             "bytes": (tmp / WEIGHTS_FILE).stat().st_size, "saved_at": time.time()}))
+             "bytes": weights.stat().st_size, "saved_at": time.time(), **(marker or {})}))
         return _seal(tmp, version_path(root, version))
 
 

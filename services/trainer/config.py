@@ -13,9 +13,10 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.trainer.corrections import IS_MODES, Correction
+from services.trainer.lora import DEFAULT_TARGET_MODULES, target_module_problem
 from shared import contract
 from shared.probe import MAX_PROBE_TOKENS
-from shared.settings import TandemSettings
+from shared.settings import CommaList, TandemSettings
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PublishDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -115,6 +116,27 @@ class TrainerSettings(TandemSettings):
     seed: int = 0
     gradient_checkpointing: bool = False
 
+    # LoRA (services/trainer/lora.py): a frozen base and a trained adapter, published alone.
+    lora_rank: int = Field(
+        default=0, ge=0,
+        description="LoRA rank; 0 = off (the full model trains). > 0: the base model is frozen, a LoRA adapter "
+        "of this rank trains, and every version is published as the adapter alone (PEFT format)",
+    )
+    lora_alpha: int | None = Field(
+        default=None, ge=1,
+        description="LoRA scaling numerator: the adapter adds (alpha / rank) x B A; unset = 2 x lora_rank",
+    )
+    lora_dropout: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="dropout on the adapter's input in training forwards; > 0 runs them in train mode, so pi_old "
+        "and behaviour_mismatch carry its noise",
+    )
+    lora_target_modules: CommaList = Field(
+        default=list(DEFAULT_TARGET_MODULES),
+        description="the linear layers that get an adapter (names or name suffixes), or all-linear (every one but "
+        "the output layer); lm_head and the embeddings are refused: vLLM does not serve LoRA on them",
+    )
+
     # Checkpoints, evals, observability.
     publish_dir: str | None = Field(
         default=None,
@@ -188,9 +210,21 @@ class TrainerSettings(TandemSettings):
             raise ValueError("probe_tokens must be 0 (no probe) or >= 2: a probe compares the logprobs of the "
                              "tokens after the first")
         self.correction()  # the band and rejection checks, with their messages
+        self._check_lora()
         if not self.sampler_url.startswith(("http://", "https://")):
             raise ValueError(f"sampler_url {self.sampler_url!r} is not an http(s) URL")
         return self
+
+    def _check_lora(self) -> None:
+        if not self.lora_rank:
+            given = sorted({"lora_alpha", "lora_dropout", "lora_target_modules"} & self.model_fields_set)
+            if given:
+                raise ValueError(f"{', '.join(given)} set but lora_rank is 0 (LoRA off): set lora_rank > 0 to train "
+                                 "an adapter, or drop them")
+            return
+        problem = target_module_problem(self.lora_target_modules)
+        if problem:
+            raise ValueError(problem)
 
     def correction(self) -> Correction:
         """The corrections as the loss applies them; raises ValueError with what to fix."""

@@ -27,10 +27,11 @@ momentum nor weight decay moves them), and say so in the metrics:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,7 @@ class Learner:
         *,
         device: torch.device | str = "cpu",
         ref_model: Any = None,
+        reference: Callable[[], contextlib.AbstractContextManager] | None = None,
         max_grad_norm: float | None = None,
         pad_token_id: int = 0,
         sharding: Sharding | None = None,
@@ -142,6 +144,9 @@ class Learner:
         self.cfg = cfg
         self.device = torch.device(device)
         self.ref_model = ref_model
+        # Entered around every reference forward: a LoRA run's reference is the trained model
+        # itself with its adapter disabled (services/trainer/lora.py), not a second copy.
+        self.reference = reference or contextlib.nullcontext
         self.max_grad_norm = max_grad_norm
         self.pad_token_id = pad_token_id
         self.sharding = sharding or make_sharding("single", distributed=False, rank=0, world_size=1,
@@ -213,9 +218,9 @@ class Learner:
                 if ref is not None:
                     ref_k = ref[k]
                 else:
-                    with torch.no_grad():
+                    with torch.no_grad(), self.reference():
                         ref_k = self._logprobs(self.ref_model, mb)[0]
-                    self.sharding.reshard(self.ref_model)
+                        self.sharding.reshard(self.ref_model)
                     new_ref.append(ref_k)
             # Under fsdp every backward reduce-scatters its gradients into the shards: deferring
             # that to the last micro-batch would keep a full float32 gradient on every rank.

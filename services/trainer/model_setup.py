@@ -19,10 +19,16 @@
 * **reference model** (only when `beta > 0`): a frozen copy of the starting model for the
   KL term, in the compute dtype (it is never stepped); it is the starting model also after
   a resume.
+* **LoRA** (`lora_rank > 0`, services/trainer/lora.py): the base always loads from
+  `settings.model`, frozen, with a fresh adapter, whose saved state a resume then loads from the
+  checkpoint (refused when the checkpoint's LoRA settings or base differ); the optimizer holds
+  the adapter's parameters only, and the reference model is the same model with the adapter
+  disabled (`TrainingModel.reference`), no second copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +71,8 @@ class TrainingModel:
     model: Any  # float32 parameters, sharded under fsdp
     optimizer: Any
     ref_model: Any | None  # frozen starting model, for the KL term (beta > 0); None otherwise
+    reference: Callable[[], Any] | None  # context turning ref_model into the reference (LoRA: adapter off)
+    lora: Any | None  # the run's adapter (services/trainer/lora.py LoraRun); None: full fine-tuning
     dtype: Any  # the compute dtype
     publish_dtype: Any  # the dtype inference gets
     start_step: int  # the first step to train: 0, or the resumed checkpoint's version
@@ -78,30 +86,47 @@ def set_up_model(settings: TrainerSettings, device: Any, sharding: Any) -> Train
     import torch
 
     from services.trainer import checkpoint as ckpt
+    from services.trainer import lora as lora_
 
     s = settings
     dtype = torch_dtype(s.dtype, device)
+    spec = lora_.LoraSpec.of(s)
     latest = ckpt.latest_checkpoint(s.run_dir) if s.resume else None
     start_step = 0
     load_from: str | Path = s.model
     if latest is not None:
+        # Before anything loads: a checkpoint of another kind of run is refused in one line.
+        lora_.check_resume(ckpt.read_state(latest[1]), spec, s.model, latest[1])
         start_step = latest[0] + 1
-        load_from = latest[1]
+        load_from = latest[1] if spec is None else s.model  # a LoRA checkpoint holds the adapter only
     load_device = torch.device("cpu") if sharding.kind == "fsdp" else device
     model = load_model(load_from, torch.float32, load_device)
+    lora = None
+    if spec is not None:
+        lora = lora_.attach(model, spec, lora_.base_name(s.model))
+        model = lora.model
+        if latest is not None:
+            lora.load(latest[1])
     if s.gradient_checkpointing:
         # transformers 5 renamed it; the old name still works there, with a warning.
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
+        if lora is not None:
+            # The frozen embeddings' output needs no gradient, so with reentrant checkpointing no
+            # layer input would either, and the adapter inside would get none.
+            model.enable_input_require_grads()
     ref_model = None
-    if s.beta:
+    if s.beta and lora is None:
         # The KL anchor is the starting model, also after a resume.
         ref_model = load_model(s.model, dtype, load_device).eval().requires_grad_(False)
     model, ref_model = sharding.prepare(model, compute_dtype=dtype, ref_model=ref_model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay,
-                                  betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps)
+    if s.beta and lora is not None:
+        ref_model = model  # the base is the model with the adapter off
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.learning_rate,
+                                  weight_decay=s.weight_decay, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps)
     if latest is not None:
         sharding.load_optimizer(model, optimizer, latest[1])
-    return TrainingModel(model=model, optimizer=optimizer, ref_model=ref_model, dtype=dtype,
+    return TrainingModel(model=model, optimizer=optimizer, ref_model=ref_model,
+                         reference=lora.reference if lora is not None and s.beta else None, lora=lora, dtype=dtype,
                          publish_dtype=publish_dtype(s.publish_dtype, dtype),
                          start_step=start_step, resumed_from=latest[1] if latest else None)

@@ -170,15 +170,19 @@ class Sharding:
 
     # -- weights and optimizer state ------------------------------------------------------
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, model: torch.nn.Module, *, trainable_only: bool = False
+                        ) -> dict[str, torch.Tensor] | None:
         """COLLECTIVE: the full, unsharded weights on the CPU, keyed like the unwrapped HF
         model's `state_dict()` (so `save_pretrained(dir, state_dict=...)` works), on rank 0;
         None on the other ranks. Tied parameters (input embeddings and LM head) are one tensor
         under both names, as in `model.state_dict()`, so save_pretrained writes it once.
-        Single/ddp: tensors on the CPU already are not copied (they share storage with the live
-        parameters): use them before the next optimizer step."""
+        `trainable_only`: only the parameters that train (a LoRA run's adapter: the frozen base
+        is neither gathered nor copied). Single/ddp: tensors on the CPU already are not copied
+        (they share storage with the live parameters): use them before the next optimizer step."""
         if not self.is_main:
             return None
+        if trainable_only:
+            return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
         return _retie(model, {name: t.detach().cpu() for name, t in model.state_dict().items()})
 
     def save_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
@@ -398,12 +402,20 @@ class FullyShardedDataParallel(DataParallel):
     def reduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Nothing: the last backward (gradient sync on) reduce-scattered the gradients."""
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, model: torch.nn.Module, *, trainable_only: bool = False
+                        ) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        # Gathers one tensor at a time to rank 0's CPU memory; the others get {}.
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return _retie(model, full) if self.is_main else None
+        # Gathers one tensor at a time to rank 0's CPU memory; the others get {}. With
+        # `trainable_only` the frozen parameters (a LoRA run's base) are not gathered at all.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        full = get_model_state_dict(model, options=options)
+        if not self.is_main:
+            return None
+        if trainable_only:  # buffers, which ignore_frozen_params keeps, are no parameters that train
+            trained = {name for name, p in model.named_parameters() if p.requires_grad}
+            return {name: t for name, t in full.items() if name in trained}
+        return _retie(model, full)
 
     def save_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
         """COLLECTIVE: every rank writes its shard of the AdamW state into `directory/optimizer/`

@@ -42,7 +42,9 @@ Per step N (`Trainer.step`), on every rank:
      `publish_dir/version-{N+1}` atomically; the probe (the first sample's logprobs under
      the new weights, services/trainer/probe.py) is computed; every `checkpoint_every`
      steps, and after the last, a full checkpoint `run_dir/checkpoints/step-N` (float32
-     weights + optimizer state, sharded under fsdp) is written too. Rank 0 POSTs
+     weights + optimizer state, sharded under fsdp) is written too. A LoRA run gathers, publishes
+     and checkpoints its adapter alone (services/trainer/lora.py; the probe is base + adapter,
+     the POST says `adapter`). Rank 0 POSTs
      `/weights_version` with version N+1, the published path, the probe and the step's
      metrics, prunes old versions and checkpoints, appends a metrics line; the other ranks
      wait at a barrier, so nobody asks for batch N+1 before version N+1 is published. A
@@ -210,11 +212,14 @@ class Trainer:
                                       world_size=world.world_size, device=world.device)
         loaded = set_up_model(s, world.device, self.sharding)
         self.model, self.optimizer = loaded.model, loaded.optimizer
+        self.lora = loaded.lora  # a LoRA run's adapter (services/trainer/lora.py): published alone
         self.publish_dtype = loaded.publish_dtype
         self.publish_root = Path(s.publish_dir) if s.publish_dir else Path(s.run_dir) / "published"
         self.learner = Learner(loaded.model, loaded.optimizer, loss_cfg, device=world.device,
-                               ref_model=loaded.ref_model, max_grad_norm=s.max_grad_norm,
-                               sharding=self.sharding, train_mode=s.gradient_checkpointing)
+                               ref_model=loaded.ref_model, reference=loaded.reference,
+                               max_grad_norm=s.max_grad_norm, sharding=self.sharding,
+                               # LoRA dropout, like checkpointing, only acts in train mode.
+                               train_mode=s.gradient_checkpointing or s.lora_dropout > 0)
 
         start_step, resumed_from = loaded.start_step, loaded.resumed_from
         # Which steps this run trains a second time: those a dead predecessor trained after its
@@ -244,6 +249,7 @@ class Trainer:
                                 "world_size": world.world_size, "device": str(world.device),
                                 "sharding": self.sharding.kind, "dtype": str(loaded.dtype),
                                 "publish_dtype": str(loaded.publish_dtype), "publish_dir": str(self.publish_root),
+                                "lora": self.lora.spec.record() if self.lora else None,
                                 "temperature": temperature, "truncation": truncation.describe(),
                                 "resumed_from": str(resumed_from) if resumed_from else None,
                                 "sampler_config": self.config.model_dump(), "settings": self.public_settings})
@@ -256,7 +262,7 @@ class Trainer:
         if resumed_from is not None:
             # The previous run may have died between saving and publishing: publish the
             # resumed version again (every rank: gathering the weights is a collective).
-            full = await self._in_thread(self.sharding.full_state_dict, self.model)
+            full = await self._in_thread(self._gather)
             if world.is_main:
                 self.state.last_published = await self._in_thread(self._write_published, start_step, start_step - 1,
                                                                    full)
@@ -352,7 +358,7 @@ class Trainer:
 
         full = None
         if not reuse or checkpoint_due:
-            full = await self._in_thread(self.sharding.full_state_dict, self.model)
+            full = await self._in_thread(self._gather)
         probe = await self._probe(batch, record)
 
         if world.is_main:
@@ -382,7 +388,14 @@ class Trainer:
             # never the one the sampler serves (a retrained step's version is not served).
             ckpt.prune_published(self.publish_root, s.keep_published, protect=(self.served_path, path))
 
+    def _gather(self) -> dict[str, Any] | None:
+        """COLLECTIVE: what a version and a checkpoint hold, on rank 0: the full weights, or a
+        LoRA run's adapter alone (the frozen base is not gathered)."""
+        return self.sharding.full_state_dict(self.model, trainable_only=self.lora is not None)
+
     def _write_published(self, version: int, step: int, full: dict[str, Any]) -> Path:
+        if self.lora is not None:
+            return self.lora.publish(self.publish_root, version, full, dtype=self.publish_dtype, step=step)
         return ckpt.publish_weights(self.publish_root, version, full, self.model.config,
                                     dtype=self.publish_dtype, step=step)
 
@@ -423,7 +436,7 @@ class Trainer:
         s, state, world = self.settings, self.state, self.world
         t0 = time.monotonic()
         if full is GATHER:
-            full = await self._in_thread(self.sharding.full_state_dict, self.model)
+            full = await self._in_thread(self._gather)
         root, what = ckpt.checkpoint_dir(s.run_dir), f"checkpoint step-{step}"
         tmp = root / f".tmp-step-{step}"
         needed = ckpt.checkpoint_bytes(full, optimizer=s.save_optimizer) if world.is_main else 0
@@ -441,11 +454,14 @@ class Trainer:
                 if world.is_main:
                     # The step's metrics ride along: a kill before its metrics line is written
                     # loses no record (services/trainer/metrics_history.py, `prepare`).
+                    lora = self.lora
                     state.last_checkpoint = await self._in_thread(
                         ckpt.commit_checkpoint, s.run_dir, step, tmp, model=self.model, state_dict=full,
-                        model_dir=s.model,
+                        model_dir=s.model if lora is None else None,
+                        write_weights=lora.checkpoint_writer(full) if lora is not None else None,
                         state={"lr": lr, "world_size": world.world_size, "sharding": self.sharding.kind,
-                               "settings": self.public_settings, "record": record},
+                               "settings": self.public_settings, "record": record,
+                               **(lora.record() if lora is not None else {})},
                     )
         except BaseException:
             if world.is_main:
@@ -545,7 +561,8 @@ class Trainer:
         try:
             served = await self.client.publish_weights(version, str(path) if path else None,
                                                        probe=probe if path else None, metrics=metrics,
-                                                       resume_step=resume_step)
+                                                       resume_step=resume_step,
+                                                       adapter=self.lora is not None and path is not None)
             self.served_path = served.checkpoint_path
         except VersionConflict as exc:
             # Already at (or past) this version: a resumed run re-announcing its checkpoint.

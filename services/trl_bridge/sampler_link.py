@@ -92,12 +92,14 @@ class SamplerLink:
     # -- writing -----------------------------------------------------------------------------
 
     def publish(self, version: int, path: str | None, *, probe: dict[str, Any] | None = None,
-                metrics: dict[str, float] | None = None, resume_step: int | None = None) -> bool:
+                metrics: dict[str, float] | None = None, resume_step: int | None = None,
+                adapter: bool = False) -> bool:
         """POST /weights_version; False when the sampler already had this version (a resumed run).
-        `resume_step`: the batch a restart from TRL's newest checkpoint trains first (kept for it)."""
+        `resume_step`: the batch a restart from TRL's newest checkpoint trains first (kept for it).
+        `adapter`: `path` holds a LoRA adapter (shared/adapters.py), not full weights."""
         try:
             served = self._run(self._client.publish_weights(version, path, probe=probe, metrics=metrics,
-                                                            resume_step=resume_step))
+                                                            resume_step=resume_step, adapter=adapter))
         except VersionConflict:
             # A resumed run re-announcing an older version: the sampler keeps serving its own.
             self.served_path = self._run(self._client.weights_version()).checkpoint_path

@@ -32,10 +32,16 @@ Mapping onto TRL's knobs:
   logprobs directly (the native trainer's `tis_cap` 0).
 * **Evaluation** is the sampler's `POST /eval` (one generation per held-out prompt, rewards
   only), logged with TRL's `log`: `trainer.evaluate()` or `eval_strategy="steps"`.
+* **LoRA** (`peft_config=LoraConfig(...)`, as TRL takes it): TRL wraps the base model, only the
+  adapter trains, and every version is the adapter alone in PEFT's format, posted with
+  `adapter: true` (publication.py, shared/adapters.py); the probe is base + adapter, the
+  reference model (beta > 0) the base, i.e. the adapter disabled. A config the servers could not
+  serve (lm_head or embeddings as targets, modules_to_save, DoRA, biases) is refused here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -88,11 +94,16 @@ class TandemGRPOTrainer(GRPOTrainer):
                  skip_steps_without_signal: bool = True):
         if args is None:
             raise ValueError("args is required: a GRPOConfig with max_steps and the sampler's batch shape")
-        if peft_config is not None or type(model).__name__.startswith("Peft"):
-            raise NotImplementedError(
-                "PEFT/LoRA is not supported by TandemGRPOTrainer yet: the inference servers reload full HF "
-                "checkpoints, so every version would have to be the merged weights (merge, gather, unmerge each "
-                "step), which is not implemented or tested; train the full model")
+        if type(model).__name__.startswith("Peft"):
+            raise ValueError(
+                "pass the base model and peft_config=LoraConfig(...), not a PeftModel: version 0 of a LoRA run is "
+                "the base model the inference servers start from, so the adapter must start untrained")
+        if peft_config is not None:
+            from services.trainer.lora import peft_config_problem
+
+            problem = peft_config_problem(peft_config)
+            if problem:
+                raise ValueError(problem)
         link = SamplerLink(sampler_url, api_token=api_token, poll_timeout=poll_timeout, batch_timeout=batch_timeout)
         try:
             # Before any model is loaded: a disagreement costs a second, not a model load.
@@ -110,7 +121,8 @@ class TandemGRPOTrainer(GRPOTrainer):
         try:
             super().__init__(model=model, reward_funcs=sampler_reward, args=args, train_dataset=placeholder,
                              eval_dataset=placeholder if args.eval_strategy != "no" else None,
-                             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
+                             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                             peft_config=peft_config)
         except BaseException:
             link.close()
             raise
@@ -128,7 +140,10 @@ class TandemGRPOTrainer(GRPOTrainer):
             # precision accelerate wraps the model's forward in autocast, so the probe computes in that
             # dtype, and the servers must load weights in it to agree (fp32 weights would be refused).
             publish_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        self.publisher = Publisher(link, root, keep=keep_published, probe_tokens=probe_tokens, dtype=publish_dtype)
+        # A LoRA run publishes its adapter alone (TRL wrapped the model in a PeftModel).
+        self.tandem_adapter = peft_config is not None
+        self.publisher = Publisher(link, root, keep=keep_published, probe_tokens=probe_tokens, dtype=publish_dtype,
+                                   adapter=self.tandem_adapter)
         self.eval_examples = eval_examples
         self.eval_timeout = eval_timeout
         # What happened, step by step, for summaries and tests: one entry per batch fetched and
@@ -184,8 +199,12 @@ class TandemGRPOTrainer(GRPOTrainer):
                 self.model, ids, attention, keep, batch_size=self.args.per_device_train_batch_size)
             ref = None
             if self.beta != 0.0:
-                ref, _, _ = self._get_per_token_logps_and_entropies(
-                    self.ref_model, ids, attention, keep, batch_size=self.args.per_device_train_batch_size)
+                ref_model, reference = self.ref_model, contextlib.nullcontext()
+                if ref_model is None:  # TRL keeps none with an adapter: the base is the adapter disabled
+                    ref_model, reference = self.model, acc.unwrap_model(self.model).disable_adapter()
+                with reference:
+                    ref, _, _ = self._get_per_token_logps_and_entropies(
+                        ref_model, ids, attention, keep, batch_size=self.args.per_device_train_batch_size)
 
         mask = t.loss_mask.to(old.dtype)
         signal = ((t.advantages != 0) & (t.loss_mask.sum(dim=1) > 0)).sum()
