@@ -103,7 +103,11 @@ def set_up_model(settings: TrainerSettings, device: Any, sharding: Any) -> Train
     model = load_model(load_from, torch.float32, load_device)
     lora = None
     if spec is not None:
-        lora = lora_.attach(model, spec, lora_.base_name(s.model))
+        with torch.random.fork_rng(devices=[]):
+            # The adapter's initialisation depends on the seed alone: every rank draws the same
+            # one (ddp replicas and fsdp shards must agree), whatever ran before.
+            torch.manual_seed(s.seed)
+            lora = lora_.attach(model, spec, lora_.base_name(s.model))
         model = lora.model
         if latest is not None:
             lora.load(latest[1])
