@@ -44,6 +44,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0,
                    help="also evaluate every N optimizer steps, through TRL's eval loop (0: only before and after)")
     p.add_argument("--publish-dir", default=None, help="where versions go (default: OUTPUT_DIR/published)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train a LoRA adapter of this rank (TRL's peft_config); versions are published as adapters")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -88,8 +90,17 @@ def main(argv: list[str] | None = None) -> int:
         **({"eval_strategy": "steps", "eval_steps": args.eval_every,
             "per_device_eval_batch_size": status["config"]["num_generations"]} if args.eval_every else {}),
     )
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        # The attention and MLP projections: what vLLM serves adapters on (docs/lora.md).
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
     trainer = TandemGRPOTrainer(args.model, args=config, sampler_url=args.sampler_url, api_token=args.api_token,
-                                publish_dir=args.publish_dir, eval_examples=args.eval_examples)
+                                publish_dir=args.publish_dir, eval_examples=args.eval_examples,
+                                peft_config=peft_config)
     try:
         before = trainer.evaluate(metric_key_prefix="eval_before")
         t_train = time.monotonic()

@@ -25,11 +25,16 @@ from shared.settings import EnvArgs, TandemSettings
 # (bench/results/convergence_dialogue.md).
 STEPS_BY_ENV = {"toy": 150, "parity_dialogue": 250}
 
+# The toy task's learning rates: full fine-tuning, and a rank-8 adapter (bench/results/lora.md).
+FULL_LEARNING_RATE = 1e-3
+LORA_LEARNING_RATE = 1e-2
+
 # The native trainer's settings the demo derives from its own (Demo._trainer_argv); trainer_args
 # may not override them.
 TRAINER_FLAGS_SET_BY_DEMO = frozenset({
     "model", "sampler_url", "run_dir", "per_device_batch_size", "grad_accum_steps", "max_steps",
-    "learning_rate", "loss", "eval_every", "eval_examples", "seed", "progress", "log_level", "api_token"})
+    "learning_rate", "loss", "eval_every", "eval_examples", "seed", "progress", "log_level", "api_token",
+    "lora_rank"})
 
 
 class DemoSettings(TandemSettings):
@@ -71,7 +76,12 @@ class DemoSettings(TandemSettings):
     )
     temperature: float = Field(default=1.0, gt=0)
     max_tokens: int | None = Field(default=None, ge=1, description="per model turn; unset = the environment's default")
-    learning_rate: float = Field(default=1e-3, gt=0)
+    learning_rate: float | None = Field(
+        default=None, gt=0, description=f"unset = {FULL_LEARNING_RATE:g}, or {LORA_LEARNING_RATE:g} with lora_rank "
+        "(an adapter needs a larger step than full fine-tuning)")
+    lora_rank: int = Field(
+        default=0, ge=0, le=256, description="train a LoRA adapter of this rank instead of every weight (docs/lora.md); "
+        "0 = full fine-tuning")
     loss: contract.LossName = "grpo"
     trainer: Literal["native", "trl"] = Field(
         default="native", description="native = Tandem's trainer (`tandem trainer`); trl = TRL's GRPOTrainer fed by "
@@ -110,6 +120,8 @@ class DemoSettings(TandemSettings):
     def _check(self) -> DemoSettings:
         if self.steps is None:
             self.steps = STEPS_BY_ENV.get(self.env, 150)
+        if self.learning_rate is None:
+            self.learning_rate = LORA_LEARNING_RATE if self.lora_rank else FULL_LEARNING_RATE
         self.max_staleness = contract.resolve_max_staleness(self.max_staleness, self.on_policy)
         if self.batch_size % self.per_device_batch_size:
             raise ValueError(
