@@ -1,12 +1,20 @@
-"""Bytes and seconds the trainer writes per step: every step a full checkpoint (before) vs
-published weights every step plus a full checkpoint every `checkpoint_every` (after).
+"""What one weight sync costs per trainer step, full fine-tuning against LoRA: the bytes the
+trainer publishes, the seconds it takes to write them, and the seconds an inference server
+takes to load them (docs/lora.md, "What a sync costs").
 
-Before (until issue 16): each step wrote `checkpoints/step-N` (float32 safetensors, tokenizer,
-`optimizer.pt` with AdamW's two float32 moments) and fsynced it, for inference to reload.
-After: each step writes `publish_dir/version-V` (weights only, in `publish_dtype`), and a
-full checkpoint every `checkpoint_every` steps. The model is a randomly initialised Llama
-built here (no hub), trained for one AdamW step so the optimizer state exists; the writes are
-the trainer's own functions (services/trainer/checkpoint.py).
+For each model (the `tiny` preset the demo trains, and a locally built Llama of ~0.5 B
+parameters; no hub), built here with random weights:
+
+* **full**: the trainer's `publish_weights` (services/trainer/checkpoint.py) writes the whole
+  model in `dtype`, and Tandem's CPU inference server reloads it in place with the sync the
+  sampler runs (pause, `/collective_rpc` reload, label, prefix-cache reset, resume);
+* **lora**: a rank-R adapter on the attention and MLP projections (services/trainer/lora.py,
+  the trainer's own `LoraRun.publish`) is written, and the same server loads it with
+  `/v1/load_lora_adapter` (in place) in the same sync.
+
+Then the server's prompt logprobs are asked once (the probe the sampler sends), so a load that
+did not take effect would show. The trainer's other per-step work (the probe's forward, the
+POST) is the same for both and not counted.
 
     .venv/bin/python -m bench publication
 """
@@ -14,85 +22,155 @@ the trainer's own functions (services/trainer/checkpoint.py).
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench._common import host, write_results
+from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
+from shared.probe import probe_request
+
+# name -> the LlamaConfig fields that differ from the tiny preset's builder; None = the preset.
+MODELS: dict[str, dict[str, Any] | None] = {
+    "tiny": None,
+    # ~0.47 B parameters: 24 layers of hidden 1024 / MLP 4096, a 32 k vocabulary, untied head.
+    "0.5b": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+             "num_key_value_heads": 16, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": False},
+}
 
 
-def _model(hidden: int, layers: int, vocab: int) -> Any:
+def _build(name: str, out: Path) -> Path:
+    """The model `name` written as a Hugging Face directory (float32), with the tiny tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from services.inference.init_model import init_model
+
+    init_model(out, preset="tiny", seed=0)
+    overrides = MODELS[name]
+    if overrides is None:
+        return out
+    config = AutoModelForCausalLM.from_pretrained(str(out)).config
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-                         num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 64, 1),
-                         vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for stale in out.glob("*.safetensors"):
+        stale.unlink()
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
 
 
 def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def run(results_dir: Path, hidden: int = 1024, layers: int = 8, vocab: int = 32000, checkpoint_every: int = 10,
-        repeats: int = 3, roots: tuple[str, ...] = ("/tmp", "/dev/shm")) -> dict[str, Any]:
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 4)
+
+
+def _sync(http: httpx.Client, url: str, load: tuple[str, dict[str, Any]], version: int) -> float:
+    """The sampler's sync steps against one server, timed from pause to resume."""
+    path, body = load
+    t0 = time.perf_counter()
+    for step, request in (("pause", ("POST", "/pause", {"params": {"mode": "keep"}})),
+                          ("load", ("POST", path, {"json": body})),
+                          ("label", ("POST", "/update_weight_version", {"json": {"new_version": str(version)}})),
+                          ("reset", ("POST", "/reset_prefix_cache", {})),
+                          ("resume", ("POST", "/resume", {}))):
+        method, where, kwargs = request
+        answer = http.request(method, url + where, timeout=600, **kwargs)
+        if answer.status_code >= 400:
+            raise RuntimeError(f"{step} {where}: {answer.status_code} {answer.text[:300]}")
+    return time.perf_counter() - t0
+
+
+def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int) -> list[dict[str, Any]]:
     import torch
+    from transformers import AutoModelForCausalLM
 
+    from services.inference.testing import start_server
     from services.trainer import checkpoint as ckpt
+    from services.trainer.lora import DEFAULT_TARGET_MODULES, LoraSpec, attach
 
-    model = _model(hidden, layers, vocab)
+    dtype = getattr(torch, dtype_name)
+    base = _build(name, root / f"{name}-base")
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
-    optimizer.step()
-    state = model.state_dict()
+    full_state = {k: v.detach() for k, v in model.state_dict().items()}
+    ids = list(range(5, 37))
     rows = []
-    for root in roots:
-        if not Path(root).is_dir():
-            continue
-        with tempfile.TemporaryDirectory(prefix="tandem-publication-", dir=root) as tmp:
-            tmp = Path(tmp)
-            full_s, pub_s = [], []
+    server = start_server(base, served_model_name=name, enable_lora=True, max_lora_rank=max(rank, 16),
+                          startup_timeout=600)
+    try:
+        with httpx.Client() as http:
+            # -- full weights
+            write_s, load_s = [], []
             for i in range(repeats):
                 t0 = time.perf_counter()
-                full = ckpt.save_checkpoint(tmp / "run", i, model, optimizer=optimizer)
-                full_s.append(time.perf_counter() - t0)
+                path = ckpt.publish_weights(root / f"{name}-full", i + 1, full_state, model.config, dtype=dtype, step=i)
+                write_s.append(time.perf_counter() - t0)
+                reload = ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+                load_s.append(_sync(http, server.url, reload, i + 1))
+            http.post(server.url + "/v1/completions", json=probe_request(ids), timeout=600).raise_for_status()
+            rows.append({"model": name, "params": params, "kind": "full", "rank": None, "trained_params": params,
+                         "dtype": dtype_name, "bytes": _bytes(path), "write_s": _median(write_s),
+                         "load_s": _median(load_s), "step_s": _median([w + s for w, s in zip(write_s, load_s)])})
+            shutil.rmtree(root / f"{name}-full")
+            # -- the adapter
+            run = attach(model, LoraSpec(rank=rank, alpha=2 * rank, dropout=0.0,
+                                         target_modules=DEFAULT_TARGET_MODULES), str(base))
+            with torch.no_grad():
+                for pname, param in run.model.named_parameters():
+                    if "lora_B" in pname:
+                        param.normal_(0.0, 0.02)
+            trained = {k: v.detach() for k, v in run.model.named_parameters() if v.requires_grad}
+            write_s, load_s = [], []
+            for i in range(repeats):
                 t0 = time.perf_counter()
-                published = ckpt.publish_weights(tmp / "pub", i + 1, state, model.config, dtype=torch.bfloat16, step=i)
-                pub_s.append(time.perf_counter() - t0)
-            full_bytes, pub_bytes = _bytes(full), _bytes(published)
-            shutil.rmtree(tmp / "run")
-        before = full_bytes
-        after = pub_bytes + full_bytes / checkpoint_every
-        rows.append({
-            "root": root, "params": params,
-            "full_checkpoint_bytes": full_bytes, "published_bf16_bytes": pub_bytes,
-            "bytes_per_step_before": before, "bytes_per_step_after": round(after),
-            "reduction": round(before / after, 2),
-            "full_checkpoint_s_median": round(sorted(full_s)[len(full_s) // 2], 3),
-            "publish_bf16_s_median": round(sorted(pub_s)[len(pub_s) // 2], 3),
-            "seconds_per_step_before": round(sorted(full_s)[len(full_s) // 2], 3),
-            "seconds_per_step_after": round(sorted(pub_s)[len(pub_s) // 2]
-                                            + sorted(full_s)[len(full_s) // 2] / checkpoint_every, 3),
-        })
-    result = {"model": {"hidden": hidden, "layers": layers, "vocab": vocab, "params": params},
-              "checkpoint_every": checkpoint_every, "repeats": repeats, "rows": rows, "host": host()}
-    gib = 1 << 30
-    lines = ["# Bytes written per trainer step: before and after publication left checkpointing", "",
-             f"`.venv/bin/python -m bench publication`: a random Llama of {params / 1e6:.0f} M parameters "
-             f"(hidden {hidden}, {layers} layers, vocabulary {vocab}); median of {repeats} writes each; "
-             f"checkpoint_every {checkpoint_every}. Bytes scale with the parameter count: at 8 B parameters "
-             "the same ratios give the per-step numbers in the last column.", "",
-             "| where | before: full checkpoint every step | after: bf16 weights + full checkpoint / "
-             f"{checkpoint_every} | reduction | s/step before | s/step after | 8 B params, before -> after |",
-             "|---|---|---|---|---|---|---|"]
+                path = run.publish(root / f"{name}-lora", i + 1, trained, dtype=dtype, step=i)
+                write_s.append(time.perf_counter() - t0)
+                load = (LOAD_PATH, load_request(DEFAULT_ADAPTER_NAME, path))
+                load_s.append(_sync(http, server.url, load, 100 + i))
+            probe = {**probe_request(ids), "model": DEFAULT_ADAPTER_NAME}
+            http.post(server.url + "/v1/completions", json=probe, timeout=600).raise_for_status()
+            rows.append({"model": name, "params": params, "kind": "lora", "rank": rank,
+                         "trained_params": sum(t.numel() for t in trained.values()), "dtype": dtype_name,
+                         "bytes": _bytes(path), "write_s": _median(write_s), "load_s": _median(load_s),
+                         "step_s": _median([w + s for w, s in zip(write_s, load_s)])})
+    finally:
+        server.stop()
+    return rows
+
+
+def run(results_dir: Path, models: tuple[str, ...] = ("tiny", "0.5b"), rank: int = 8, dtype: str = "bfloat16",
+        repeats: int = 3, root: str = "/tmp") -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tandem-publication-", dir=root) as tmp:
+        for name in models:
+            rows += _measure(name, Path(tmp), rank=rank, dtype_name=dtype, repeats=repeats)
+    result = {"rank": rank, "dtype": dtype, "repeats": repeats, "root": root, "rows": rows, "host": host()}
+    lines = ["# What a weight sync costs per step: full weights against a LoRA adapter", "",
+             f"`.venv/bin/python -m bench publication`: per model, the trainer's own publication functions write "
+             f"version after version in {dtype} under {root} (write), and Tandem's CPU inference server loads each "
+             "with the sampler's sync steps, pause to resume (load: `/collective_rpc` reload for full weights, "
+             f"`/v1/load_lora_adapter` in place for the adapter). Rank {rank} on every attention and MLP "
+             f"projection; median of {repeats}. Both models are built here with random weights.", "",
+             "| model | params | kind | trained params | bytes published | write s | load s | write + load s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        scale = 8e9 / params
-        lines.append(f"| {r['root']} | {r['bytes_per_step_before'] / gib:.2f} GiB | {r['bytes_per_step_after'] / gib:.2f} GiB "
-                     f"| {r['reduction']}x | {r['seconds_per_step_before']} | {r['seconds_per_step_after']} | "
-                     f"{r['bytes_per_step_before'] * scale / gib:.0f} GiB -> {r['bytes_per_step_after'] * scale / gib:.0f} GiB |")
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['kind']}"
+                     f"{'' if r['rank'] is None else ' r' + str(r['rank'])} | {r['trained_params'] / 1e6:.3f} M "
+                     f"| {r['bytes'] / 2**20:.2f} MiB | {r['write_s']} | {r['load_s']} | {r['step_s']} |")
+    for name in dict.fromkeys(r["model"] for r in rows):
+        full = next(r for r in rows if r["model"] == name and r["kind"] == "full")
+        lora = next(r for r in rows if r["model"] == name and r["kind"] == "lora")
+        lines.append("")
+        lines.append(f"{name}: the adapter is {full['bytes'] / lora['bytes']:.0f}x fewer bytes and its sync "
+                     f"{full['step_s'] / max(lora['step_s'], 1e-9):.1f}x faster (write + load).")
     write_results(results_dir, "publication", result, "\n".join(lines))
     return result

@@ -74,10 +74,12 @@ def test_stack(tmp_path):
 def test_publication(tmp_path):
     from bench import bench_publication
 
-    result = bench_publication.run(tmp_path, hidden=64, layers=1, vocab=128, repeats=1, roots=(str(tmp_path),))
-    (row,) = _written(tmp_path, "publication")["rows"]
-    assert row == result["rows"][0]
-    assert row["bytes_per_step_after"] < row["bytes_per_step_before"]
+    result = bench_publication.run(tmp_path, models=("tiny",), repeats=1, root=str(tmp_path))
+    full, lora = _written(tmp_path, "publication")["rows"]
+    assert [full, lora] == result["rows"]
+    assert (full["kind"], lora["kind"]) == ("full", "lora")
+    assert lora["bytes"] < full["bytes"] and lora["trained_params"] < full["trained_params"]
+    assert all(r["write_s"] > 0 and r["load_s"] > 0 for r in (full, lora))
 
 
 def test_gpu_bench_runs_its_code_path_on_the_cpu(tmp_path):
