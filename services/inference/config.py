@@ -32,6 +32,15 @@ class InferenceSettings(TandemSettings):
     max_num_seqs: int = Field(default=256, ge=1, description="sequences generated in one batch at most")
     weight_version: str = Field(default="0", description="initial weight-version label (/weight_info)")
     seed: int = Field(default=0, description="engine seed for requests that give none")
+    # LoRA adapters loaded at runtime (POST /v1/load_lora_adapter), under vLLM's flag names.
+    enable_lora: bool | None = Field(
+        default=None, description="serve LoRA adapters loaded at runtime (POST /v1/load_lora_adapter); unset = on "
+        "for the cpu backend (nothing is spent until one loads), off for vllm (vLLM's default)",
+    )
+    max_lora_rank: int = Field(default=16, ge=1, description="the highest LoRA rank an adapter may have")
+    max_loras: int = Field(
+        default=4, ge=1, description="cpu backend: adapters loaded at once at most; vllm: adapters in one batch",
+    )
     # CPU backend only.
     torch_threads: int | None = Field(default=None, ge=1, description="CPU backend: torch intra-op threads")
     # vLLM backend only.

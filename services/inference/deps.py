@@ -1,14 +1,17 @@
 """FastAPI dependencies of the CPU inference server: the engine and the served model, both
-read from the app's state (set by `create_app` and its lifespan)."""
+read from the app's state (set by `create_app` and its lifespan), and which model a request names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
 from services.inference.engine import Engine, RequestError
+
+if TYPE_CHECKING:
+    from services.inference.adapters import Adapter, Adapters
 
 
 @dataclass(frozen=True)
@@ -18,10 +21,15 @@ class ServedModel:
     id: str
     created: int
 
-    def check(self, model: str | None) -> None:
-        """A request may leave `model` out; naming another model is a 404, as in vLLM."""
-        if model is not None and model != self.id:
+    def resolve(self, model: str | None, adapters: Adapters | None) -> Adapter | None:
+        """The LoRA adapter a request names, None for the base model (`model` left out, empty or
+        the served id); any other name is a 404, as in vLLM."""
+        if not model or model == self.id:
+            return None
+        adapter = adapters.get(model) if adapters is not None else None
+        if adapter is None:
             raise RequestError(f"The model `{model}` does not exist.", status=404, param="model")
+        return adapter
 
 
 def get_engine(request: Request) -> Engine:

@@ -23,6 +23,9 @@ Contract (what the HTTP layer and tests rely on):
   weights of the step that admitted the sequence, its rank, and the top k. Computed from the
   raw logits (temperature and top-p/top-k do not apply to prompt tokens, as in vLLM) by an
   unpadded forward of the prompt, so it equals transformers' float32 log_softmax.
+* With LoRA adapters (`self.adapters`, set by the server with --enable-lora: adapters.py),
+  `generate(..., adapter=...)` computes a sequence with base + that adapter; rows of different
+  adapters share a step. Loads run between two steps (`exclusive`), like weight reloads.
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from services.inference import kvcache
 from services.inference.metrics import InferenceMetrics
 from services.inference.sampling import RowParams, sample
+
+if TYPE_CHECKING:
+    from services.inference.adapters import Adapter, Adapters
 
 log = logging.getLogger("tandem.inference.engine")
 
@@ -120,6 +126,7 @@ class _Sequence:
     checked_chars: int = 0  # decoded length already searched for stop strings
     cancelled: bool = False  # the client went away; dropped at the next step
     prompt_logprobs: PromptLogprobs | None = None
+    adapter: Adapter | None = None  # None: the base model
 
     @property
     def done(self) -> bool:
@@ -169,6 +176,7 @@ class Engine:
         self._admitting = True
         self._pause_epoch = 0
         self._task: asyncio.Task | None = None
+        self.adapters: Adapters | None = None  # set by the server when it serves LoRA adapters
         self.stats = {"steps": 0, "peak_batch_size": 0, "last_batch_size": 0, "generated_tokens": 0,
                       "prompt_tokens": 0, "finished": 0, "reloads": 0}
         self.metrics.bind(
@@ -272,14 +280,15 @@ class Engine:
         if bad_stop:
             raise RequestError(f"stop_token_ids: {bad_stop[0]} is out of vocabulary.", param="stop_token_ids")
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> list[Output]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
+                       adapter: Adapter | None = None) -> list[Output]:
         self.validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         seqs = []
         for i in range(n):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator().manual_seed(seed % (2**63))
-            seqs.append(_Sequence(list(prompt_ids), params, gen, loop.create_future()))
+            seqs.append(_Sequence(list(prompt_ids), params, gen, loop.create_future(), adapter=adapter))
         self._waiting.extend(seqs)
         self._work.set()
         try:
@@ -313,12 +322,19 @@ class Engine:
         self._work.set()
 
     async def reload_weights(self, weights_path: str | Path | None = None) -> None:
-        path = Path(weights_path) if weights_path else self.model_path
-        async with self._lock:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self._load_weights, path)
+        await self.exclusive(self._load_weights, Path(weights_path) if weights_path else self.model_path)
         self.stats["reloads"] += 1
         self.metrics.on_reload()
+
+    async def exclusive(self, fn, *args: Any) -> Any:
+        """`fn(*args)` on the model thread between two steps: what changes the model's weights."""
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def adapters_in_use(self) -> set[Adapter]:
+        """The adapters of the sequences not yet finished (safe from the model thread: list()
+        copies the queue the event loop appends to in one step)."""
+        return {s.adapter for s in [*self._rows, *list(self._waiting)] if s.adapter is not None and not s.done}
 
     # ----------------------------------------------------------------- scheduler
 
@@ -446,7 +462,8 @@ class Engine:
         b = self._batch
         assert b is not None
         mask = torch.cat([b.mask, torch.ones((b.size, 1), dtype=torch.long)], dim=1)
-        out = self.model(
+        out = self._forward(
+            self._rows,
             input_ids=b.pending[:, None],
             attention_mask=mask,
             position_ids=b.lengths[:, None],
@@ -459,13 +476,20 @@ class Engine:
         return out.logits[:, -1].float()
 
     def _prefill(self, seqs: list[_Sequence]) -> tuple[kvcache.Batch, torch.Tensor, int]:
-        # GRPO sends n copies of a prompt: prefill each distinct prompt once.
-        unique: dict[tuple[int, ...], int] = {}
-        index = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in seqs]
-        prompts = [list(p) for p in unique]
+        # GRPO sends n copies of a prompt: prefill each distinct (prompt, adapter) once.
+        unique: dict[tuple[tuple[int, ...], Adapter | None], int] = {}
+        firsts: list[_Sequence] = []  # one sequence per distinct (prompt, adapter): its row
+        index = []
+        for s in seqs:
+            key = (tuple(s.prompt_ids), s.adapter)
+            if key not in unique:
+                unique[key] = len(firsts)
+                firsts.append(s)
+            index.append(unique[key])
+        prompts = [s.prompt_ids for s in firsts]
         ids, mask, positions = kvcache.left_pad(prompts, self.pad_id)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        out = self._forward(
+            firsts, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )
         kv = kvcache.to_tensors(out.past_key_values)
         logits = out.logits[:, -1].float()
@@ -485,19 +509,19 @@ class Engine:
         # Rare (the sampler's post-sync probe, scoring): a forward of its own per distinct
         # prompt, unpadded and with every position's logits, rather than widening the batched
         # prefill (which keeps only the last position's logits).
-        done: dict[tuple[tuple[int, ...], int], PromptLogprobs] = {}
+        done: dict[tuple[tuple[int, ...], int, Adapter | None], PromptLogprobs] = {}
         for seq in seqs:
             k = seq.params.prompt_logprobs
             if k is None:
                 continue
-            key = (tuple(seq.prompt_ids), k)
+            key = (tuple(seq.prompt_ids), k, seq.adapter)
             if key not in done:
-                done[key] = self._prompt_logprobs(seq.prompt_ids, k)
+                done[key] = self._prompt_logprobs(seq, k)
             seq.prompt_logprobs = done[key]
 
-    def _prompt_logprobs(self, prompt_ids: list[int], k: int) -> PromptLogprobs:
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    def _prompt_logprobs(self, seq: _Sequence, k: int) -> PromptLogprobs:
+        ids = torch.tensor([seq.prompt_ids], dtype=torch.long)
+        logits = self._forward([seq], input_ids=ids, use_cache=False).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         targets = ids[0, 1:]
         chosen = logprobs.gather(1, targets[:, None])
@@ -513,6 +537,12 @@ class Engine:
                         entries.append((tid, float(lp), r))
             out.append(entries)
         return out
+
+    def _forward(self, seqs: list[_Sequence], **kwargs: Any) -> Any:
+        """The model's forward over one row per sequence, each with its adapter."""
+        if self.adapters is None:
+            return self.model(**kwargs)
+        return self.adapters.forward([s.adapter for s in seqs], **kwargs)
 
     def _row_params(self, seq: _Sequence) -> RowParams:
         p = seq.params
@@ -586,7 +616,9 @@ class Engine:
         incoming: dict[str, torch.Tensor] = {}
         for f in files:
             incoming.update(load_file(str(f)))
-        params = dict(self.model.named_parameters())
+        # Under their checkpoint names even while LoRA layers wrap them (adapters.py).
+        own = self.adapters.base_parameters() if self.adapters else dict(self.model.named_parameters())
+        params = dict(own)
         params.update({k: v for k, v in self.model.named_buffers() if k in incoming})
         unexpected = sorted(set(incoming) - set(params))
         if unexpected:
@@ -594,7 +626,7 @@ class Engine:
                 f"checkpoint {str(path)!r} has weights this model lacks: {unexpected[:5]}", param="weights_path"
             )
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        missing = sorted(set(dict(self.model.named_parameters())) - set(incoming) - tied)
+        missing = sorted(set(own) - set(incoming) - tied)
         if missing:
             raise RequestError(f"checkpoint {str(path)!r} lacks weights: {missing[:5]}", param="weights_path")
         for name, tensor in incoming.items():

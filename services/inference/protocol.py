@@ -151,6 +151,18 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False  # vLLM's (MoE adapters); accepted and ignored
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; accepted and ignored
+
+
 class UpdateWeightVersionRequest(BaseModel):
     new_version: str
 

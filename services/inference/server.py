@@ -8,7 +8,10 @@ The routes, one APIRouter per resource under routes/ (each module lists its endp
 
 * completions.py: `POST /v1/completions`, `POST /v1/chat/completions` (with `stream: true` too).
 * generate.py: `POST /inference/v1/generate`, vLLM's token-in/token-out endpoint.
-* models.py: `GET /v1/models`, `POST /tokenize`, `POST /detokenize`.
+* models.py: `GET /v1/models` (the base model, then the loaded LoRA adapters), `POST /tokenize`,
+  `POST /detokenize`.
+* lora.py: `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (adapters.py; a request
+  whose `model` is an adapter's name is computed with it).
 * weights.py: `POST /pause`, `POST /resume`, `GET /is_paused`, `POST /collective_rpc`,
   `POST /update_weight_version`, `GET /weight_info`, `POST /reset_prefix_cache`.
 * health.py: `GET /health` (200, empty body), `GET /version`, `GET /metrics` (Prometheus text).
@@ -35,11 +38,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from services.inference import errors
+from services.inference.adapters import Adapters, Limits
 from services.inference.config import InferenceSettings
 from services.inference.deps import ServedModel
 from services.inference.engine import Engine
 from services.inference.metrics import InferenceMetrics
-from services.inference.routes import completions, generate, health, models, weights
+from services.inference.routes import completions, generate, health, lora, models, weights
 
 log = logging.getLogger("tandem.inference.server")
 
@@ -62,6 +66,8 @@ def create_app(settings: InferenceSettings, engine: Engine | None = None) -> Fas
                 weight_version=settings.weight_version, seed=settings.seed,
                 metrics=InferenceMetrics(settings.model_id),
             )
+        if settings.enable_lora is not False and eng.adapters is None:  # unset: on (adapters.py)
+            eng.adapters = Adapters(eng, Limits(settings.max_lora_rank, settings.max_loras))
         app.state.engine = eng
         await eng.start()
         log.info("serving %s on CPU (max_model_len %d)", app.state.served_model.id, eng.max_model_len)
@@ -73,6 +79,6 @@ def create_app(settings: InferenceSettings, engine: Engine | None = None) -> Fas
     app = FastAPI(title="Tandem CPU inference (vLLM-compatible)", lifespan=lifespan)
     app.state.served_model = ServedModel(id=settings.model_id, created=int(time.time()))
     errors.install(app)
-    for module in (completions, generate, models, health, weights):
+    for module in (completions, generate, models, lora, health, weights):
         app.include_router(module.router)
     return app

@@ -2,7 +2,8 @@
 
 `prompt_logprobs: k` on a completion gives `choices[i].prompt_logprobs` in vLLM's shape
 (protocol.py). `stream: true` sends the same answer as server-sent events once it is generated
-(streaming.py). No `echo`. A chat request's `tools` go to the chat template; with tool_choice
+(streaming.py). No `echo`. A `model` naming a loaded LoRA adapter is computed with it (and
+answered under its name), as in vLLM. A chat request's `tools` go to the chat template; with tool_choice
 "auto" (the default with tools) the answers are read for Hermes tool calls (chat.py,
 protocol.tool_call_message), streamed as `delta.tool_calls`.
 """
@@ -26,7 +27,7 @@ router = APIRouter(tags=["completions"])
 
 @router.post("/v1/completions")
 async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep, served: Served):
-    served.check(req.model)
+    adapter = served.resolve(req.model, eng.adapters)
     P.check_stream_options(req.stream, req.stream_options)
     if req.echo:
         raise RequestError("echo=true is not supported by the CPU inference server", param="echo")
@@ -48,7 +49,7 @@ async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep
         params.append(sp)
 
     async def run():
-        return await asyncio.gather(*(eng.generate(ids, sp, req.n) for ids, sp in zip(prompts, params)))
+        return await asyncio.gather(*(eng.generate(ids, sp, req.n, adapter) for ids, sp in zip(prompts, params)))
 
     result = await unless_disconnected(request, run())
     if isinstance(result, Response):
@@ -60,7 +61,8 @@ async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep
             choices.append(P.completion_choice(i * req.n + j, out, ids, req, piece))
             completion_tokens += len(out.token_ids)
     prompt_tokens = sum(len(ids) for ids in prompts)
-    response = P.completion_response(served.id, choices, prompt_tokens, completion_tokens)
+    response = P.completion_response(adapter.name if adapter else served.id, choices, prompt_tokens,
+                                     completion_tokens)
     if not req.stream:
         return response
     outs = [out for outs in result for out in outs]
@@ -71,7 +73,7 @@ async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: EngineDep, served: Served):
-    served.check(req.model)
+    adapter = served.resolve(req.model, eng.adapters)
     P.check_stream_options(req.stream, req.stream_options)
     tools = check_tools(req.tools)
     parse_tools = parses_tool_calls(tools, req.tool_choice)
@@ -82,12 +84,12 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: 
     top = (req.top_logprobs or 0) if req.logprobs else None
     sp = req.sampling(max_tokens, top)
     eng.validate(ids, sp)
-    outs = await unless_disconnected(request, eng.generate(ids, sp, req.n))
+    outs = await unless_disconnected(request, eng.generate(ids, sp, req.n, adapter))
     if isinstance(outs, Response):
         return outs
     piece = token_pieces(eng.tokenizer)
     choices = [P.chat_choice(j, out, req, piece, parse_tools) for j, out in enumerate(outs)]
-    response = P.chat_response(served.id, choices, outs, ids, req)
+    response = P.chat_response(adapter.name if adapter else served.id, choices, outs, ids, req)
     if not req.stream:
         return response
     return event_stream(chat_chunks(response, outs, req, text_decoder(eng.tokenizer, req.skip_special_tokens)))

@@ -24,14 +24,15 @@ router = APIRouter(tags=["generate"])
 
 @router.post("/inference/v1/generate")
 async def generate(req: G.GenerateRequest, request: Request, eng: EngineDep, served: Served):
-    served.check(req.model)
+    adapter = served.resolve(req.model, eng.adapters)
     params = G.check(req, eng.vocab_size, eng.max_model_len)
     eng.validate(req.token_ids, params)  # what the engine checks itself (stop_token_ids, ...)
-    outs = await unless_disconnected(request, eng.generate(req.token_ids, params, req.sampling_params.n))
+    outs = await unless_disconnected(request, eng.generate(req.token_ids, params, req.sampling_params.n, adapter))
     if isinstance(outs, Response):
         return outs
     request_id = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
-    body = G.response(f"generate-tokens-{request_id}", served.id, outs, req, token_pieces(eng.tokenizer))
+    model = adapter.name if adapter else served.id
+    body = G.response(f"generate-tokens-{request_id}", model, outs, req, token_pieces(eng.tokenizer))
     if not req.stream:
         return body
     decode = text_decoder(eng.tokenizer, req.sampling_params.skip_special_tokens)
