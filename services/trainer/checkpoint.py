@@ -17,6 +17,9 @@ Two kinds of directory, because they serve two readers:
   presence marks a complete checkpoint. Written every `checkpoint_every` steps; a resume
   starts from the newest.
 
+A LoRA run (services/trainer/lora.py) writes its adapter alone, in PEFT's format, in place of
+the weights in both: in `publish_dtype` for a version, in float32 for a checkpoint.
+
 "Newest" means most recently written, not the highest number, for both: a run directory
 reused by a new run (`--no-resume`) holds the old run's higher numbers, and a resumed run
 writes numbers again that its predecessor already wrote. Pruning keeps the newest by write

@@ -69,7 +69,7 @@ def target_module_problem(names: Sequence[str]) -> str | None:
                 f"{','.join(DEFAULT_TARGET_MODULES)}), or {ALL_LINEAR}")
     if ALL_LINEAR in names and len(names) > 1:
         return f"lora_target_modules: {ALL_LINEAR} means every linear layer but the output layer; give it alone"
-    bad = [n for n in names if not _MODULE_NAME.match(n)]
+    bad = [n for n in names if n != ALL_LINEAR and not _MODULE_NAME.match(n)]
     if bad:
         return f"lora_target_modules {bad} are not module names (letters, digits, _ and ., e.g. q_proj)"
     unserved = [n for n in names if n.split(".")[-1] in NOT_SERVED]
@@ -126,11 +126,10 @@ class LoraSpec:
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "target_modules": list(self.target_modules)}
 
-    def peft_config(self, base_model: str) -> Any:
+    def peft_config(self, base_model: str, targets: Sequence[str]) -> Any:
         from peft import LoraConfig
 
-        targets = ALL_LINEAR if self.target_modules == (ALL_LINEAR,) else list(self.target_modules)
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(targets),
                           bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model)
 
 
@@ -196,29 +195,34 @@ def attach(model: Any, spec: LoraSpec, base_model: str) -> LoraRun:
         from peft import get_peft_model
     except ImportError as exc:
         raise SettingsError(PEFT_MISSING) from exc
-    check_targets_exist(model, spec.target_modules)
+    targets = resolve_targets(model, spec.target_modules)
     with warnings.catch_warnings():
         # peft asks transformers under the deprecated name; nothing for the user to do.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model = get_peft_model(model, spec.peft_config(base_model))
+        peft_model = get_peft_model(model, spec.peft_config(base_model, targets))
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()  # master weights, whatever the base came in
     return LoraRun(peft_model, spec, base_model)
 
 
-def check_targets_exist(model: Any, targets: Sequence[str]) -> None:
-    """Refuse target modules the model does not have, naming the ones it has (SettingsError)."""
+def resolve_targets(model: Any, targets: Sequence[str]) -> list[str]:
+    """The target modules as names: `all-linear` becomes the model's linear layers but the output
+    layer (by their last name, as PEFT configs usually say them: vLLM reads them so too). A name
+    the model lacks is refused, naming the ones it has (SettingsError)."""
     import torch
 
+    output = model.get_output_embeddings()
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and module is not output]
     if tuple(targets) == (ALL_LINEAR,):
-        return
-    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+        return sorted({n.rsplit(".", 1)[-1] for n in names} - set(NOT_SERVED))
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         have = sorted({n.rsplit(".", 1)[-1] for n in names} - set(NOT_SERVED))
         raise SettingsError(f"lora_target_modules {missing}: {type(model).__name__} has no such linear layer; "
                             f"its linear layers are {','.join(have)} (or use {ALL_LINEAR})")
+    return list(targets)
 
 
 # -- PEFT's files ------------------------------------------------------------------------------
@@ -415,8 +419,8 @@ def merge(adapter_dir: Path | str, out: Path | str, *, base: Path | str | None =
     config = LoraConfig.from_pretrained(str(adapter_dir))
     config.inference_mode = False
     try:
-        check_targets_exist(model, config.target_modules if isinstance(config.target_modules, str)
-                            else sorted(config.target_modules))
+        if not isinstance(config.target_modules, str):  # a pattern: peft says what it misses
+            resolve_targets(model, sorted(config.target_modules))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             peft_model = get_peft_model(model, config)

@@ -144,9 +144,13 @@ def test_lora_settings_defaults_flags_and_refusals() -> None:
             build(TrainerSettings, {"model": "m", **values})
 
 
-def test_a_target_module_the_model_lacks_is_refused_naming_its_layers(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_target_modules_against_the_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=r"\['c_attn'\].*linear layers are .*q_proj"):
         _start(_settings(tiny_model_dir, tmp_path, lora_target_modules="c_attn"))
+    # all-linear: every projection, never the output layer; saved as the names it resolved to.
+    loaded, _ = _start(_settings(tiny_model_dir, tmp_path, lora_target_modules="all-linear", beta=0))
+    assert sorted(loaded.lora.peft_model.peft_config["default"].target_modules) == sorted(DEFAULT_TARGET_MODULES)
+    assert not any("lm_head" in n for n, p in loaded.model.named_parameters() if p.requires_grad)
 
 
 # -- the model, the steps, the reference ---------------------------------------------------------
