@@ -13,9 +13,8 @@ adapter layout is shared/adapters.py's.
 * In place (same name): sequences hold the name's `Adapter` record, not the slot, so every
   sequence in flight (running, waiting, or frozen by `pause keep`) computes its next token with
   the new weights, exactly as after a full reload; the old slot is dropped at once.
-* `unload(name)` removes the name (a new request naming it is a 404, as in vLLM) but sequences
-  already holding it finish with it: their slot is freed by the next load or unload that finds it
-  unused.
+* `unload(name)` removes the name (a new request naming it is a 404, as in vLLM) and frees its
+  slot, unless sequences hold it: they finish with it, and the next load or unload frees it.
 * peft wraps the model's target Linear layers in place when the first adapter loads and unwraps
   them when the last slot goes, so a server that never loads one runs the bare model.
 """
@@ -53,11 +52,12 @@ class Limits:
 
 @dataclass(eq=False)
 class Adapter:
-    """A served adapter name. `slot` is the peft adapter that holds its weights now."""
+    """A served adapter name. `slot` is the peft adapter that holds its weights now; None once
+    unloaded and freed."""
 
     name: str
     path: str
-    slot: str
+    slot: str | None
     created: int
 
 
@@ -90,16 +90,39 @@ class Adapters:
     async def load(self, name: str, path: str, inplace: bool) -> None:
         self._check_new(name, inplace)  # answered before any file is read
         files = await asyncio.to_thread(self._read, name, path)
-        await self.engine.exclusive(self._install, name, path, files, inplace)
+
+        def claim() -> list[str]:
+            self._check_new(name, inplace)  # again: another load of this name may have finished meanwhile
+            return self._unused()
+
+        await self.engine.exclusive(self._install, name, path, files, before=claim)
         log.info("loaded LoRA adapter %r from %s%s", name, path, " in place" if inplace else "")
 
     async def unload(self, name: str) -> None:
         if not name:
             raise RequestError("'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name")
-        if name not in self.loaded:
-            raise RequestError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name")
-        await self.engine.exclusive(self._remove, name)
+
+        def retire() -> list[str]:
+            adapter = self.loaded.pop(name, None)
+            if adapter is None:
+                raise RequestError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name")
+            self._retired.append(adapter)
+            return self._unused()
+
+        await self.engine.exclusive(self._drop_all, before=retire)
         log.info("unloaded LoRA adapter %r", name)
+
+    def _unused(self) -> list[str]:
+        """The slots of unloaded adapters that no sequence holds, taken from their records (on the
+        event loop, between two steps): a request that named one but has not reached the engine
+        yet is then a 404 there, never a step on freed weights."""
+        in_use = self.engine.adapters_in_use()
+        free = [a for a in self._retired if a not in in_use]
+        self._retired = [a for a in self._retired if a in in_use]
+        slots = [a.slot for a in free if a.slot is not None]
+        for adapter in free:
+            adapter.slot = None
+        return slots
 
     def _check_new(self, name: str, inplace: bool) -> None:
         if name in self.loaded and not inplace:
@@ -157,9 +180,8 @@ class Adapters:
 
     # ----------------------------------------------------------------- the model thread, between steps
 
-    def _install(self, name: str, path: str, files: _Files, inplace: bool) -> None:
-        self._collect()
-        self._check_new(name, inplace)  # again: another load of this name may have finished meanwhile
+    def _install(self, name: str, path: str, files: _Files, free: list[str]) -> None:
+        self._drop_all(free)
         slot = f"lora{next(self._slots)}"  # peft names become module keys: no dots
         try:
             self._fill(slot, path, files)
@@ -200,23 +222,9 @@ class Adapters:
                                    param="lora_path")
         set_peft_model_state_dict(self._peft, files.tensors, adapter_name=slot)
 
-    def _remove(self, name: str) -> None:
-        self._collect()
-        adapter = self.loaded.pop(name, None)
-        if adapter is not None:
-            # Not freed now: a request that named it may have queued since the 404 check above.
-            self._retired.append(adapter)
-
-    def _collect(self) -> None:
-        """Free the slots of unloaded adapters that no sequence uses any more. Only adapters
-        retired by an earlier call: no new request can name them, so the in-use set taken here
-        only shrinks."""
-        if not self._retired:
-            return
-        in_use = self.engine.adapters_in_use()
-        for adapter in [a for a in self._retired if a not in in_use]:
-            self._retired.remove(adapter)
-            self._drop(adapter.slot)
+    def _drop_all(self, slots: list[str]) -> None:
+        for slot in slots:
+            self._drop(slot)
 
     def _drop(self, slot: str) -> None:
         others = [s for s in self._peft.peft_config if s != slot]

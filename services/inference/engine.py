@@ -283,6 +283,8 @@ class Engine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
                        adapter: Adapter | None = None) -> list[Output]:
         self.validate(prompt_ids, params)
+        if adapter is not None and adapter.slot is None:  # unloaded (adapters.py) since the request named it
+            raise RequestError(f"The model `{adapter.name}` does not exist.", status=404, param="model")
         loop = asyncio.get_running_loop()
         seqs = []
         for i in range(n):
@@ -326,15 +328,17 @@ class Engine:
         self.stats["reloads"] += 1
         self.metrics.on_reload()
 
-    async def exclusive(self, fn, *args: Any) -> Any:
-        """`fn(*args)` on the model thread between two steps: what changes the model's weights."""
+    async def exclusive(self, fn, *args: Any, before=None) -> Any:
+        """`fn(*args)` on the model thread between two steps: what changes the model's weights.
+        `before()` runs first on the event loop, where no step runs and no sequence is in between
+        the queue and the batch; what it returns is passed to `fn` after `args`."""
         async with self._lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            extra = () if before is None else (before(),)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args, *extra)
 
     def adapters_in_use(self) -> set[Adapter]:
-        """The adapters of the sequences not yet finished (safe from the model thread: list()
-        copies the queue the event loop appends to in one step)."""
-        return {s.adapter for s in [*self._rows, *list(self._waiting)] if s.adapter is not None and not s.done}
+        """The adapters of the sequences not yet finished (call it in `exclusive`'s `before`)."""
+        return {s.adapter for s in [*self._rows, *self._waiting] if s.adapter is not None and not s.done}
 
     # ----------------------------------------------------------------- scheduler
 

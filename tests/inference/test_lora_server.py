@@ -297,15 +297,26 @@ def test_models_list_and_unload(lora_server: ServerHandle, adapters, reference) 
     assert _diff(_probe(url, "listed"), reference("b", IDS)) < TOL
 
 
-def test_max_loras_and_a_server_without_lora(tiny_model: Path, adapters) -> None:
-    with_two = start_server(tiny_model, served_model_name="tiny", max_loras=2)  # enable_lora: the default
+def test_first_and_last_adapter_max_loras_and_a_server_without_lora(tiny_model: Path, adapters, reference) -> None:
+    with_two = start_server(tiny_model, served_model_name="tiny", max_loras=2)  # enable_lora unset: on
     off = start_server(tiny_model, served_model_name="tiny", enable_lora=False)
+    url, unload = with_two.url, with_two.url + "/v1/unload_lora_adapter"
     try:
+        # A first adapter that does not fit: the LoRA layers peft put in for it go again.
+        _error(_load(url, "one", adapters["other-shapes"]), 400, "shape")
+        assert with_two.engine.adapters.slots == 0
+        assert _diff(_probe(url, None), reference(None, IDS)) < TOL
         for name in ("one", "two"):
-            assert _load(with_two.url, name, adapters["a"]).status_code == 200
-        _error(_load(with_two.url, "three", adapters["a"]), 400, "--max-loras")
-        assert httpx.post(with_two.url + "/v1/unload_lora_adapter", json={"lora_name": "one"}).status_code == 200
-        assert _load(with_two.url, "three", adapters["a"]).status_code == 200
+            assert _load(url, name, adapters["a"]).status_code == 200
+        _error(_load(url, "three", adapters["a"]), 400, "--max-loras")
+        assert httpx.post(unload, json={"lora_name": "one"}).status_code == 200
+        assert _load(url, "three", adapters["b"]).status_code == 200
+        assert _diff(_probe(url, "three"), reference("b", IDS)) < TOL
+        # Unloaded and used by no request: freed at once; the last one gone, the bare model again.
+        for name in ("two", "three"):
+            assert httpx.post(unload, json={"lora_name": name}).status_code == 200
+        assert with_two.engine.adapters.slots == 0
+        assert _diff(_probe(url, None), reference(None, IDS)) < TOL
 
         _error(_load(off.url, "one", adapters["a"]), 404, "--enable-lora")
         _error(httpx.post(off.url + "/v1/unload_lora_adapter", json={"lora_name": "one"}), 404, "--enable-lora")
