@@ -330,6 +330,8 @@ class Demo:
                 "inference", model=model_dir, host=s.host, port=self.inference_port,
                 served_model_name=SERVED_MODEL_NAME, seed=s.seed, run_dir=self.run_dir, log_level=s.log_level,
                 backend=s.backend, torch_threads=threads if s.backend == "cpu" else None,
+                # A LoRA run's versions are adapters: the server must load them at run time.
+                enable_lora=True if s.lora_rank else None, max_lora_rank=max(16, s.lora_rank) if s.lora_rank else None,
             ), _child_env(threads))
             trainer = self._start("trainer", self._trainer_argv(model_dir),
                                   _child_env(threads, {"TANDEM_API_TOKEN": token}))
