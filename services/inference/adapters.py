@@ -182,6 +182,17 @@ class Adapters:
 
     def _install(self, name: str, path: str, files: _Files, free: list[str]) -> None:
         self._drop_all(free)
+        current = self.loaded.get(name)
+        if current is not None and current.slot is not None and self._same_shape(current.slot, files.config):
+            # A new version of the same adapter (what the sampler loads every step): its tensors are
+            # copied into the slot it already has, a few MB, instead of building LoRA layers again
+            # (0.9 s for a 0.5 B model). Sequences hold the record, so they see the copy at once.
+            self._check_fit(current.slot, path, files)
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self._peft, files.tensors, adapter_name=current.slot)
+            current.path = path
+            return
         slot = f"lora{next(self._slots)}"  # peft names become module keys: no dots
         try:
             self._fill(slot, path, files)
@@ -192,21 +203,38 @@ class Adapters:
                 raise
             raise RequestError(f"Loading lora {name} from {path} failed: the adapter does not fit the served "
                                f"model: {exc}", param="lora_path") from None
-        current = self.loaded.get(name)
         if current is None:
             self.loaded[name] = Adapter(name, path, slot, int(time.time()))
             return
         old, current.slot, current.path = current.slot, slot, path
         self._drop(old)
 
+    def _same_shape(self, slot: str, config: Any) -> bool:
+        """Whether an adapter of `config` fits `slot`'s LoRA layers as they are: same targets,
+        ranks and scaling (the tensors may differ)."""
+        have = self._peft.peft_config[slot]
+
+        def shape(c: Any) -> tuple:
+            targets = c.target_modules if isinstance(c.target_modules, str) else sorted(c.target_modules)
+            return (targets, c.r, c.lora_alpha, c.use_rslora, dict(c.rank_pattern or {}), dict(c.alpha_pattern or {}))
+
+        return shape(have) == shape(config)
+
     def _fill(self, slot: str, path: str, files: _Files) -> None:
-        from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+        from peft import PeftModel, set_peft_model_state_dict
 
         if self._peft is None:
             self._peft = PeftModel(self.model, files.config, adapter_name=slot)
         else:
             self._peft.add_adapter(slot, files.config)
         self._peft.eval()  # new LoRA modules start in training mode (live dropout)
+        self._check_fit(slot, path, files)
+        set_peft_model_state_dict(self._peft, files.tensors, adapter_name=slot)
+
+    def _check_fit(self, slot: str, path: str, files: _Files) -> None:
+        """RequestError unless `files` has exactly the tensors of `slot`'s LoRA layers, in their shapes."""
+        from peft import get_peft_model_state_dict
+
         expected = get_peft_model_state_dict(self._peft, adapter_name=slot)
         unexpected = sorted(set(files.tensors) - set(expected))
         missing = sorted(set(expected) - set(files.tensors))
@@ -220,7 +248,6 @@ class Adapters:
                 raise RequestError(f"{path}/{ADAPTER_WEIGHTS}: {key} has shape {tuple(tensor.shape)}, the served "
                                    f"model needs {tuple(expected[key].shape)}: is it an adapter of another model?",
                                    param="lora_path")
-        set_peft_model_state_dict(self._peft, files.tensors, adapter_name=slot)
 
     def _drop_all(self, slots: list[str]) -> None:
         for slot in slots:

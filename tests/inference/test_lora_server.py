@@ -49,6 +49,9 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
     return {
         "a": _build(_base(tiny_model), root / "a", seed=1),
+        # a's rank and targets, other numbers: a new version of the same adapter (its tensors are
+        # copied into the layers a built, the path a trainer's every step takes)
+        "a2": _build(_base(tiny_model), root / "a2", seed=5),
         "b": _build(_base(tiny_model), root / "b", seed=2, rank=4, targets=("q_proj", "v_proj", "down_proj")),
         "other-shapes": _build(AutoModelForCausalLM.from_config(other), root / "other", seed=3),
         "rank-32": _build(_base(tiny_model), root / "rank32", seed=4, rank=32),
@@ -179,13 +182,15 @@ def test_load_in_place_serves_the_new_adapter(lora_server: ServerHandle, adapter
     assert _diff(_probe(url, "swap"), reference("b", IDS)) < TOL
 
 
+@pytest.mark.parametrize("second", ["a2", "b"])
 async def test_a_request_frozen_by_pause_keep_continues_on_the_new_adapter(
-        lora_server: ServerHandle, adapters, tiny_model: Path) -> None:
+        lora_server: ServerHandle, adapters, tiny_model: Path, second: str) -> None:
     url, engine = lora_server.url, lora_server.engine
-    assert _load(url, "keep", adapters["a"]).status_code == 200
+    name = "keep-" + second
+    assert _load(url, name, adapters["a"]).status_code == 200
     label = engine.weight_version
     prompt = [5, 17, 42]
-    body = {"model": "keep", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+    body = {"model": name, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
             "logprobs": 0, "return_token_ids": True, "return_weight_versions": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         start = engine.stats["generated_tokens"]
@@ -195,20 +200,20 @@ async def test_a_request_frozen_by_pause_keep_continues_on_the_new_adapter(
         await c.post("/pause", params={"mode": "keep"})
         # The sampler's sync: pause keep, load in place, relabel, resume.
         r = await c.post("/v1/load_lora_adapter",
-                         json={"lora_name": "keep", "lora_path": str(adapters["b"]), "load_inplace": True})
+                         json={"lora_name": name, "lora_path": str(adapters[second]), "load_inplace": True})
         assert r.status_code == 200, r.text
-        await c.post("/update_weight_version", json={"new_version": "keep-b"})
+        await c.post("/update_weight_version", json={"new_version": name + "-v2"})
         assert not flight.done()
         await c.post("/resume")
         choice = (await flight).json()["choices"][0]
     spans, tokens, served = choice["weight_versions"], choice["token_ids"], choice["logprobs"]["token_logprobs"]
-    assert [s["version"] for s in spans] == [label, "keep-b"], spans
+    assert [s["version"] for s in spans] == [label, name + "-v2"], spans
     k = spans[0]["end"]
     assert 20 <= k < 200
     # What it must equal: tokens 0..k-1 under A; then B, on top of the KV cache A computed for the
     # prompt and tokens 0..k-2 (token k-1 is the input of the first step under B).
     model = PeftModel.from_pretrained(_base(tiny_model), str(adapters["a"]), adapter_name="a")
-    model.load_adapter(str(adapters["b"]), adapter_name="b")
+    model.load_adapter(str(adapters[second]), adapter_name="b")
     model.eval()
     ids = prompt + tokens
     cut = len(prompt) + k - 1
