@@ -21,8 +21,10 @@ POST) is the same for both and not counted.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +34,9 @@ import httpx
 
 from bench._common import host, write_results
 from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
+from shared.http_client import HttpClient
 from shared.probe import probe_request
+from tests.support.servers import ServiceProcess, free_port
 
 # name -> the LlamaConfig fields that differ from the tiny preset's builder; None = the preset.
 MODELS: dict[str, dict[str, Any] | None] = {
@@ -73,27 +77,34 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 4)
 
 
-def _sync(http: httpx.Client, url: str, load: tuple[str, dict[str, Any]], version: int) -> float:
-    """The sampler's sync steps against one server, timed from pause to resume."""
+def _sync(url: str, load: tuple[str, dict[str, Any]], version: int) -> float:
+    """The sampler's sync steps against one server, through the sampler's own HTTP client,
+    timed from pause to resume."""
     path, body = load
-    t0 = time.perf_counter()
-    for step, request in (("pause", ("POST", "/pause", {"params": {"mode": "keep"}})),
-                          ("load", ("POST", path, {"json": body})),
-                          ("label", ("POST", "/update_weight_version", {"json": {"new_version": str(version)}})),
-                          ("reset", ("POST", "/reset_prefix_cache", {})),
-                          ("resume", ("POST", "/resume", {}))):
-        method, where, kwargs = request
-        answer = http.request(method, url + where, timeout=600, **kwargs)
-        if answer.status_code >= 400:
-            raise RuntimeError(f"{step} {where}: {answer.status_code} {answer.text[:300]}")
-    return time.perf_counter() - t0
+    steps = (("POST", "/pause", {"params": {"mode": "keep"}}), ("POST", path, {"json": body}),
+             ("POST", "/update_weight_version", {"json": {"new_version": str(version)}}),
+             ("POST", "/reset_prefix_cache", {}), ("POST", "/resume", {}))
+
+    async def sync() -> float:
+        http = HttpClient(max_connections=4, timeout=600)
+        try:
+            await http.request("GET", url + "/health")  # a warm connection, as the sampler's is
+            t0 = time.perf_counter()
+            for method, where, kwargs in steps:
+                answer = await http.request(method, url + where, **kwargs)
+                if answer.status_code >= 400:
+                    raise RuntimeError(f"{where}: {answer.status_code} {answer.text[:300]}")
+            return time.perf_counter() - t0
+        finally:
+            await http.aclose()
+
+    return asyncio.run(sync())
 
 
 def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.inference.testing import start_server
     from services.trainer import checkpoint as ckpt
     from services.trainer.lora import DEFAULT_TARGET_MODULES, LoraSpec, attach
 
@@ -104,9 +115,16 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
     full_state = {k: v.detach() for k, v in model.state_dict().items()}
     ids = list(range(5, 37))
     rows = []
-    server = start_server(base, served_model_name=name, enable_lora=True, max_lora_rank=max(rank, 16),
-                          startup_timeout=600)
+    # Its own process, as in a run (`tandem inference`), not a thread of this one.
+    port = free_port()
+    server = ServiceProcess([sys.executable, "-m", "services.cli", "inference", "--model", str(base),
+                             "--port", str(port), "--served-model-name", name, "--enable-lora",
+                             "--max-lora-rank", str(max(rank, 16)), "--log-level", "warning"],
+                            name="inference", log_path=root / f"{name}-inference.log",
+                            ready_url=f"http://127.0.0.1:{port}/health")
     try:
+        server.wait_ready(600)
+        server_url = f"http://127.0.0.1:{port}"
         with httpx.Client() as http:
             # -- full weights
             write_s, load_s = [], []
@@ -115,8 +133,8 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
                 path = ckpt.publish_weights(root / f"{name}-full", i + 1, full_state, model.config, dtype=dtype, step=i)
                 write_s.append(time.perf_counter() - t0)
                 reload = ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-                load_s.append(_sync(http, server.url, reload, i + 1))
-            http.post(server.url + "/v1/completions", json=probe_request(ids), timeout=600).raise_for_status()
+                load_s.append(_sync(server_url, reload, i + 1))
+            http.post(server_url + "/v1/completions", json=probe_request(ids), timeout=600).raise_for_status()
             rows.append({"model": name, "params": params, "kind": "full", "rank": None, "trained_params": params,
                          "dtype": dtype_name, "bytes": _bytes(path), "write_s": _median(write_s),
                          "load_s": _median(load_s), "step_s": _median([w + s for w, s in zip(write_s, load_s)])})
@@ -135,15 +153,15 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
                 path = run.publish(root / f"{name}-lora", i + 1, trained, dtype=dtype, step=i)
                 write_s.append(time.perf_counter() - t0)
                 load = (LOAD_PATH, load_request(DEFAULT_ADAPTER_NAME, path))
-                load_s.append(_sync(http, server.url, load, 100 + i))
+                load_s.append(_sync(server_url, load, 100 + i))
             probe = {**probe_request(ids), "model": DEFAULT_ADAPTER_NAME}
-            http.post(server.url + "/v1/completions", json=probe, timeout=600).raise_for_status()
+            http.post(server_url + "/v1/completions", json=probe, timeout=600).raise_for_status()
             rows.append({"model": name, "params": params, "kind": "lora", "rank": rank,
                          "trained_params": sum(t.numel() for t in trained.values()), "dtype": dtype_name,
                          "bytes": _bytes(path), "write_s": _median(write_s), "load_s": _median(load_s),
                          "step_s": _median([w + s for w, s in zip(write_s, load_s)])})
     finally:
-        server.stop()
+        server.terminate()
     return rows
 
 
@@ -157,7 +175,7 @@ def run(results_dir: Path, models: tuple[str, ...] = ("tiny", "0.5b"), rank: int
     lines = ["# What a weight sync costs per step: full weights against a LoRA adapter", "",
              f"`.venv/bin/python -m bench publication`: per model, the trainer's own publication functions write "
              f"version after version in {dtype} under {root} (write), and Tandem's CPU inference server loads each "
-             "with the sampler's sync steps, pause to resume (load: `/collective_rpc` reload for full weights, "
+             "with the sampler's sync steps through the sampler's HTTP client, pause to resume (load: `/collective_rpc` reload for full weights, "
              f"`/v1/load_lora_adapter` in place for the adapter). Rank {rank} on every attention and MLP "
              f"projection; median of {repeats}. Both models are built here with random weights.", "",
              "| model | params | kind | trained params | bytes published | write s | load s | write + load s |",
