@@ -206,7 +206,8 @@ class WeightSync:
             await self._call(server, "load_lora_adapter", "POST", LOAD_PATH,
                              json=load_request(self.adapter_name, checkpoint_path))
         except SyncStepError as exc:
-            if exc.status in (404, 405):
+            # The route itself is missing (FastAPI's bare 404/405), not "no adapter at that path".
+            if exc.status in (404, 405) and ('"Not Found"' in str(exc) or '"Method Not Allowed"' in str(exc)):
                 raise SyncStepError(exc.step, exc.status, (
                     f"{exc}: this server does not serve LoRA adapters. Start vLLM with --enable-lora "
                     "--max-lora-rank <the trainer's lora_rank or more> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "

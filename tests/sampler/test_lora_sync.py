@@ -143,3 +143,15 @@ def test_a_server_that_cannot_serve_adapters_is_refused_at_join(make_sampler, lo
     assert "does not serve LoRA adapters" in answer.json()["detail"]
     urls = [s["url"] for s in httpx.get(sampler.url + "/inference_servers", timeout=10).json()["servers"]]
     assert urls == [lora_server.url]
+
+
+def test_an_adapter_path_the_server_cannot_find_is_a_422_naming_it(make_sampler, lora_server, tmp_path):
+    sampler = make_sampler(inference_urls=[lora_server.url])
+    _wait(lambda: _server(sampler.url)["state"] == "ok", "the server to join")
+    missing = tmp_path / "not-written-yet"
+    answer = _publish(sampler.url, 1, missing, None)
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"]
+    # The server serves adapters; it found none there: that is what the message must say.
+    assert "No adapter found" in detail and "does not serve LoRA adapters" not in detail, detail
+    assert httpx.get(sampler.url + "/weights_version", timeout=10).json()["version"] == 0
