@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from services.inference.testing import ServerHandle, start_server
+from tests.support.adapters import adapter_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,15 +27,7 @@ TOL = 1e-4
 
 
 def _build(model, out: Path, *, seed: int, rank: int = 8, targets=ALL) -> Path:
-    """A LoRA adapter with random lora_B (PEFT starts it at zero: base + adapter would be base)."""
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
-    peft_model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return adapter_of(model, out, seed=seed, rank=rank, targets=tuple(targets))
 
 
 def _base(tiny_model: Path):

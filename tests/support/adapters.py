@@ -9,22 +9,32 @@ from pathlib import Path
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def build_adapter(base: Path, out: Path, *, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
-    """A LoRA adapter of `base` whose lora_B is random (PEFT starts it at zero, which would make
-    the adapter the base model): it moves logprobs by nats, so a server that ignores it shows."""
+def adapter_of(model, out: Path, *, seed: int, rank: int = 8, targets: tuple[str, ...] = TARGETS,
+               scale: float = 0.5) -> Path:
+    """A LoRA adapter of `model` (a transformers model, which peft wraps) saved as safetensors,
+    with lora_B random: PEFT starts it at zero, which would make the adapter the base model; at
+    `scale` it moves logprobs by nats, so a server that ignores it shows."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS)))
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, scale)
     peft_model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def build_adapter(base: Path, out: Path, *, seed: int, rank: int = 8, targets: tuple[str, ...] = TARGETS,
+                  scale: float = 0.5) -> Path:
+    """`adapter_of` the model in directory `base` (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    return adapter_of(model, out, seed=seed, rank=rank, targets=targets, scale=scale)
 
 
 def reference_logprobs(base: Path, adapter: Path | None, ids: list[int]) -> list[float]:

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from services.inference.vllm_ext import LORA_FIXES, LORA_FIXES_METHOD
+from tests.support.adapters import build_adapter as support_build_adapter
 from tests.support.vllm import VllmHandle, max_abs_diff, vllm_unavailable_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -43,21 +44,7 @@ TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def build_adapter(base: Path, out: Path, *, seed: int, rank: int = 8,
                   targets: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
-    """A PEFT LoRA adapter of `base`, saved as safetensors; lora_B random (PEFT starts it at
-    zero, which would make the adapter the base model)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
-    peft_model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return support_build_adapter(base, out, seed=seed, rank=rank, targets=targets)
 
 
 class Reference:
