@@ -347,3 +347,33 @@ def test_requests_are_refused_for_adapters_never_loaded(server: LoraServer) -> N
     assert r.status_code == 400 and "load_inplace" in r.text, r.text
     r = load(url, server.adapters["A"], name=BASE)
     assert r.status_code == 400 and "conflicts with a served base model" in r.text, r.text
+
+
+def test_the_sampler_syncs_verified_adapters_into_vllm_and_catches_a_wrong_one(
+        server: LoraServer, make_sampler) -> None:
+    """The whole path through the sampler: POST /weights_version {adapter: true} loads each version's
+    adapter into real vLLM, verifies it with the trainer's probe before the server gets work, and
+    refuses to publish an adapter whose numbers are not the trainer's."""
+    url = server.handle.url
+
+    def publish(version: int, adapter: str, numbers_of: str) -> httpx.Response:
+        probe = {"token_ids": IDS, "logprobs": [None, *server.ref.logprobs(server.adapters[numbers_of], IDS)],
+                 "dtype": "float32"}
+        return httpx.post(sampler.url + "/weights_version", timeout=300, json={
+            "version": version, "checkpoint_path": str(server.adapters[adapter]), "adapter": True, "probe": probe})
+
+    sampler = make_sampler(inference_urls=[url], model_name=BASE)
+    deadline = time.monotonic() + 60
+    while httpx.get(sampler.url + "/inference_servers", timeout=10).json()["servers"][0]["state"] != "ok":
+        assert time.monotonic() < deadline, "vLLM never joined the sampler's rotation"
+        time.sleep(0.2)
+    for version, name in ((1, "A"), (2, "B")):
+        answer = publish(version, name, name)
+        assert answer.status_code == 200, answer.text
+        served = answer.json()["servers"][0]
+        assert served["version"] == version and served["adapter"] == NAME, served
+        assert served["probe"]["ok"] and served["probe"]["max_abs_diff"] < 1e-3, served["probe"]
+    wrong = publish(3, "A", "B")  # A's files, B's numbers
+    assert wrong.status_code == 422 and "none computes the trainer's logprobs" in wrong.text, wrong.text
+    assert httpx.get(sampler.url + "/weights_version", timeout=10).json()["version"] == 2
+    assert publish(3, "A", "A").status_code == 200  # and the right adapter brings the server back
