@@ -97,6 +97,13 @@ async def test_reverify_writes_back_what_a_restarted_redis_lost(redis_url, names
         assert (await Store(client, keys).get_batch(4)).build == batch.build
         meta = await store.meta()
         assert (meta["version"], meta["checkpoint_path"], meta["trimmed_below"]) == (5, "/ckpt/5", 3)
+        assert meta["adapter"] is False
+        # A LoRA version keeps its adapter flag through the same loss: re-syncs load it as one.
+        assert (await store.publish_version(6, "/published/version-6", adapter=True))[0] == 2
+        await client.delete(*[k async for k in client.scan_iter(f"{keys.prefix}*")])
+        assert (await store.reverify())[1] == 6
+        meta = await store.meta()
+        assert (meta["version"], meta["checkpoint_path"], meta["adapter"]) == (6, "/published/version-6", True)
     finally:
         await client.aclose()
 
