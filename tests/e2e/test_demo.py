@@ -46,8 +46,14 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()  # our own child, by its Popen handle
-        out, err = proc.communicate()
+        # SIGTERM first: the demo then stops its own children (a SIGKILL would orphan them, still
+        # training, into the next tests); SIGKILL only if it does not exit in time.
+        proc.terminate()  # our own child, by its Popen handle
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
         pytest.fail(f"tandem demo did not exit within {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
     return proc.returncode, out, err
 
