@@ -299,7 +299,7 @@ class Fleet:
             if label.version >= published:
                 # Synced by this process, another replica or before a restart: in a LoRA run a
                 # server at the published version serves it through the run's adapter.
-                server.adapter = self._adapter_name(label.version, adapter)
+                server.adapter = self.sync.served_through(label.version, adapter)
                 if known != label.version:
                     server.version = label.version
                     self.pool.changed()
@@ -324,11 +324,6 @@ class Fleet:
             self.pool.set_state(server, RESYNCING, why)
             await self.sync.record(server)
         self._heal(server, why)
-
-    def _adapter_name(self, version: int, adapter: bool) -> str | None:
-        """The adapter a server labelled `version` serves it through: none for version 0 (the base
-        model) or full weights; in a LoRA run the run's adapter."""
-        return self.sync.adapter_name if adapter and version > 0 else None
 
     def _stale(self, server: Server, why: str) -> None:
         server.version = None
@@ -386,7 +381,7 @@ class Fleet:
                 if label.version == published and server.state != MISMATCH:
                     # A publication (ours or another replica's) synced it while we waited.
                     server.version = published
-                    server.adapter = self._adapter_name(published, adapter)
+                    server.adapter = self.sync.served_through(published, adapter)
                     self.pool.set_state(server, OK)
                     await self.sync.record(server)
                     return

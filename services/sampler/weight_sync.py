@@ -44,6 +44,7 @@ class SyncStepError(RuntimeError):
     def __init__(self, step: str, status: int | None, message: str):
         self.step = step
         self.status = status
+        self.message = message
         super().__init__(f"{step}: {message}")
 
 
@@ -178,6 +179,11 @@ class WeightSync:
             return method
         return server.reload_method
 
+    def served_through(self, version: int, adapter: bool) -> str | None:
+        """The adapter a server at `version` serves it through: the run's adapter in a LoRA run,
+        none for full weights or version 0 (the base model)."""
+        return self.adapter_name if adapter and version > 0 else None
+
     async def verify(self, server: Server, probe: Probe, model: str | None = None) -> ProbeResult:
         """Ask `server` for the probe's prompt logprobs (of `model`, an adapter's name, or the
         served base model when None) and compare them with the trainer's."""
@@ -207,11 +213,12 @@ class WeightSync:
                              json=load_request(self.adapter_name, checkpoint_path))
         except SyncStepError as exc:
             # The route itself is missing (FastAPI's bare 404/405), not "no adapter at that path".
-            if exc.status in (404, 405) and ('"Not Found"' in str(exc) or '"Method Not Allowed"' in str(exc)):
+            if exc.status in (404, 405) and ('"Not Found"' in exc.message or '"Method Not Allowed"' in exc.message):
                 raise SyncStepError(exc.step, exc.status, (
-                    f"{exc}: this server does not serve LoRA adapters. Start vLLM with --enable-lora "
+                    f"{exc.message}: this server does not serve LoRA adapters. Start vLLM with --enable-lora "
                     "--max-lora-rank <the trainer's lora_rank or more> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
-                    "(Tandem's launcher: --lora), or Tandem's CPU server with --enable-lora")) from None
+                    "(`tandem inference --backend vllm --enable-lora` sets both), or Tandem's CPU server "
+                    "with --enable-lora")) from None
             raise
 
     async def _sync_server(self, server: Server, version: int, checkpoint_path: str,
@@ -252,7 +259,7 @@ class WeightSync:
             server.last_error = None
             server.note(f"synced to version {version} in {seconds:.2f}s"
                         + (f", probe max diff {checked.max_abs_diff:.2g}" if checked else ""))
-            server.adapter = self.adapter_name if adapter else None
+            server.adapter = self.served_through(version, adapter)
             self.pool.set_version(server.url, version)
             if server.state in (RESYNCING, STALE, MISMATCH):
                 self.pool.set_state(server, OK)  # it serves the published weights again
