@@ -15,6 +15,11 @@ trainer's own code:
 * `Sharding.full_state_dict` (the gather to the CPU) and `checkpoint.publish_weights` (cast
   to bfloat16, NaN/inf check, safetensors, fsync, atomic rename), to local disk and /dev/shm.
 
+With `--lora-rank R` the same runs train a LoRA adapter instead (services/trainer/lora.py: the
+base frozen in float32, the adapter's float32 parameters the only ones AdamW holds), and the
+publication is the trainer's LoRA path: the gather of the adapter alone
+(`full_state_dict(trainable_only=True)`) and `LoraRun.publish` (PEFT files, `publish_dtype`).
+
 Step time is the wall time of `train_on_samples` (median over the measured steps, after
 warm-up), with the AdamW `step()` alone timed by optimizer hooks; peak memory is
 `torch.cuda.max_memory_allocated` / `max_memory_reserved` over the measured steps.
@@ -27,6 +32,7 @@ recorded runs got them).
     python -m bench.bench_gpu --out DIR          # writes DIR/gpu.json and DIR/gpu.md
     python -m bench gpu                          # the same into bench/results/
     python -m bench.bench_gpu --out DIR --preset tiny --allow-cpu   # the code path on a CPU
+    python -m bench.bench_gpu --out DIR --lora-rank 16  # LoRA: DIR/gpu_lora.json and gpu_lora.md
 """
 
 from __future__ import annotations
@@ -254,10 +260,45 @@ def publication(root: Path, model: Any, sharding: Any, dtype: Any, repeats: int,
     return row
 
 
+def adapter_publication(root: Path, model: Any, sharding: Any, lora: Any, dtype: Any, repeats: int,
+                        device: Any) -> dict[str, Any]:
+    """A LoRA run's publication into `root`, `repeats` times, as the trainer does it: the gather
+    of the trainable (adapter) tensors alone, then `LoraRun.publish` (PEFT's files)."""
+    from services.trainer import checkpoint as ckpt
+    from shared.adapters import ADAPTER_WEIGHTS
+
+    row: dict[str, Any] = {"root": str(root), **_fs(root)}
+    gather_s, publish_s = [], []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-gpu-", dir=root) as tmp_name:
+        pub = Path(tmp_name) / "published"
+        for i in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            trained = sharding.full_state_dict(model, trainable_only=True)
+            gather_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            path = lora.publish(pub, i + 1, trained, dtype=dtype, step=i)
+            publish_s.append(time.perf_counter() - t0)
+            row["bytes"] = (path / ADAPTER_WEIGHTS).stat().st_size
+            row["tensors"] = len(trained)
+            ckpt.prune_published(pub, 1)
+    med = statistics.median
+    row.update({
+        "repeats": repeats,
+        "gather_full_state_dict_s": [round(x, 4) for x in gather_s],
+        "gather_full_state_dict_s_median": round(med(gather_s), 4),
+        "publish_weights_s": [round(x, 4) for x in publish_s],
+        "publish_weights_s_median": round(med(publish_s), 4),
+        "publish_bytes_per_s_median": round(row["bytes"] / med(publish_s)),
+        "gather_plus_publish_s_median": round(med([g + p for g, p in zip(gather_s, publish_s)]), 4),
+    })
+    return row
+
+
 def measure(*, preset: str = "1b", num_samples: int = 64, group: int = 8, prompt_len: int = 128,
             completion_len: int = 512, grad_accums: tuple[int, ...] = (8, 4, 2), gc_grad_accums: tuple[int, ...] = (4, 1),
             warmup: int = 2, steps: int = 5, pub_repeats: int = 3, work_dir: Path | None = None,
-            allow_cpu: bool = False) -> dict[str, Any]:
+            allow_cpu: bool = False, lora_rank: int = 0) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -289,14 +330,18 @@ def measure(*, preset: str = "1b", num_samples: int = 64, group: int = 8, prompt
                            **{k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                      "num_attention_heads", "num_key_value_heads", "vocab_size",
                                                      "tie_word_embeddings")}}
+        lora = {"lora_rank": lora_rank} if lora_rank else {}
         settings = TrainerSettings(model=str(work / "model"), run_dir=work / "run", resume=False, dtype="auto",
                                    publish_dtype="auto", learning_rate=1e-6, max_grad_norm=1.0,
-                                   gradient_checkpointing=False)
+                                   gradient_checkpointing=False, **lora)
         sharding = make_sharding("single", distributed=False, device=device)
         t0 = time.perf_counter()
         loaded = model_setup.set_up_model(settings, device, sharding)
         result["set_up_model_s"] = round(time.perf_counter() - t0, 1)
         model, optimizer = loaded.model, loaded.optimizer
+        result["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if lora_rank:
+            result["lora"] = loaded.lora.record()["lora"]
         result["compute_dtype"] = str(loaded.dtype).removeprefix("torch.")
         result["publish_dtype"] = str(loaded.publish_dtype).removeprefix("torch.")
         result["master_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -348,7 +393,11 @@ def measure(*, preset: str = "1b", num_samples: int = 64, group: int = 8, prompt
                 result["publication"].append({"root": str(root), "skipped": "not present"})
                 continue
             try:
-                row = publication(root, model, sharding, loaded.publish_dtype, pub_repeats, device, params)
+                if loaded.lora is not None:
+                    row = adapter_publication(root, model, sharding, loaded.lora, loaded.publish_dtype, pub_repeats,
+                                              device)
+                else:
+                    row = publication(root, model, sharding, loaded.publish_dtype, pub_repeats, device, params)
             except Exception as exc:  # a finding to record
                 traceback.print_exc()
                 row = {"root": str(root), "error": f"{type(exc).__name__}: {exc}"}
@@ -374,6 +423,11 @@ def markdown(r: dict[str, Any]) -> str:
         f"tied embeddings {m['tie_word_embeddings']}. Loaded by `set_up_model`: master weights {r['master_dtype']}, "
         f"compute {r['compute_dtype']} (autocast), AdamW; {r.get('memory_after_set_up_gib')} GiB allocated after set-up.",
         "",
+    ]
+    if r.get("lora"):
+        lines += [f"LoRA: {r['lora']}; {r['trainable_params']:,} trainable parameters (the adapter; the base is "
+                  "frozen). 6*N*tokens below still counts all N parameters (a rough proxy).", ""]
+    lines += [
         f"Batch: {b['samples']} samples ({b['prompts']} prompts x {b['generations']} generations), "
         f"{b['prompt_tokens']} prompt + {b['completion_tokens']} completion tokens each, loss {b['loss']}, "
         f"one optimizer step per batch (`Learner.train_on_samples`), clipping {b['max_grad_norm']}.",
@@ -405,8 +459,8 @@ def markdown(r: dict[str, Any]) -> str:
             continue
         lines.append(f"| {p['root']} ({p['fstype']}) | {p['bytes']} | {p['gather_full_state_dict_s_median']} | "
                      f"{p['publish_weights_s_median']} | {p['publish_bytes_per_s_median'] / 1e6:.0f} | "
-                     f"{p['gather_plus_publish_s_median']} | {p['breakdown_cast_to_publish_dtype_on_cpu_s']} | "
-                     f"{p['breakdown_non_finite_check_s']} | {p['variant_total_s_median']} |")
+                     f"{p['gather_plus_publish_s_median']} | {p.get('breakdown_cast_to_publish_dtype_on_cpu_s', '-')} | "
+                     f"{p.get('breakdown_non_finite_check_s', '-')} | {p.get('variant_total_s_median', '-')} |")
     lines += ["", f"`{r['command']}`"]
     return "\n".join(lines)
 
@@ -425,8 +479,9 @@ def run(results_dir: Path) -> dict[str, Any]:
 
 def write(out: Path, result: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "gpu.md").write_text(markdown(result) + "\n")
+    name = "gpu_lora" if result.get("lora") else "gpu"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(result) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="local-disk directory for the model and publication "
                         "(default: runs/ in the repository)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (to test the code path)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train a LoRA adapter of this rank instead of the full model (0: full)")
     args = parser.parse_args(argv)
     reason = skip_reason()
     if reason and not args.allow_cpu:
@@ -455,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                      grad_accums=tuple(int(x) for x in args.grad_accum.split(",") if x),
                      gc_grad_accums=tuple(int(x) for x in args.gc_grad_accum.split(",") if x), warmup=args.warmup, steps=args.steps,
                      pub_repeats=args.pub_repeats, work_dir=Path(args.work_dir) if args.work_dir else None,
-                     allow_cpu=args.allow_cpu)
+                     allow_cpu=args.allow_cpu, lora_rank=args.lora_rank)
     result["command"] = "python -m bench.bench_gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     write(Path(args.out), result)
     print(json.dumps(result, indent=2), flush=True)

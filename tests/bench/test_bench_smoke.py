@@ -82,17 +82,25 @@ def test_publication(tmp_path):
     assert all(r["write_s"] > 0 and r["load_s"] > 0 for r in (full, lora))
 
 
-def test_gpu_bench_runs_its_code_path_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_gpu_bench_runs_its_code_path_on_the_cpu(tmp_path, lora_rank):
     """bench/bench_gpu.py is measured on a lent GPU only; its tiny CPU mode keeps the code path
-    (set_up_model, Learner, full_state_dict, publish_weights) from rotting in between."""
+    (set_up_model, Learner, full_state_dict, publish_weights; LoRA: the adapter's gather and
+    LoraRun.publish) from rotting in between."""
     from bench import bench_gpu
 
     out = tmp_path / "out"
     code = bench_gpu.main(["--out", str(out), "--preset", "tiny", "--allow-cpu", "--steps", "2", "--warmup", "1",
                            "--pub-repeats", "1", "--samples", "8", "--prompt-tokens", "8", "--completion-tokens", "8",
-                           "--grad-accum", "2", "--gc-grad-accum", "2", "--work-dir", str(tmp_path / "work")])
+                           "--grad-accum", "2", "--gc-grad-accum", "2", "--work-dir", str(tmp_path / "work"),
+                           "--lora-rank", str(lora_rank)])
     assert code == 0
-    result = json.loads((out / "gpu.json").read_text())
+    result = json.loads((out / ("gpu_lora.json" if lora_rank else "gpu.json")).read_text())
     assert result["steps"] and all(s["step_s_median"] > 0 and s["tokens_per_s"] > 0 for s in result["steps"])
     assert result["publication"] and all(p["bytes"] > 0 and p["publish_weights_s_median"] >= 0
                                          for p in result["publication"])
+    if lora_rank:
+        assert result["lora"]["rank"] == lora_rank
+        # The adapter alone is published: far fewer bytes than the model's parameters in bf16/f32.
+        assert result["trainable_params"] < result["model"]["params"]
+        assert all(p["bytes"] < result["model"]["params"] * 2 for p in result["publication"])
