@@ -12,6 +12,7 @@ The batch shape, num_generations, temperature and completion length come from th
 learning rate, per-sequence `grpo` loss, clip 0.2, importance weights truncated at 2 per
 token). Writes `output-dir/summary.json`: eval_reward_before, eval_reward_after (the
 sampler's greedy `/eval`), steps, wall_seconds, and the per-step batches and publications.
+`--report-to wandb,tensorboard` reports TRL's metrics there (docs/tracking.md).
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--publish-dir", default=None, help="where versions go (default: OUTPUT_DIR/published)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train a LoRA adapter of this rank (TRL's peft_config); versions are published as adapters")
+    p.add_argument("--report-to", default="none",
+                   help="TRL's report_to: wandb and/or tensorboard (comma-separated), or none (docs/tracking.md)")
+    p.add_argument("--run-name", default=None,
+                   help="W&B group of this run (the W&B run is RUN_NAME-trainer); default: the output dir's name")
+    p.add_argument("--wandb-project", default=None, help="W&B project (default: $WANDB_PROJECT, else tandem)")
+    p.add_argument("--tensorboard-dir", default=None,
+                   help="TensorBoard events go to TENSORBOARD_DIR/trainer (default: OUTPUT_DIR/tensorboard)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -62,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.trl_bridge.agreement import grpo_config_values
     from services.trl_bridge.sampler_link import SamplerLink
+    from services.trl_bridge.tracking import grpo_reporting
     from services.trl_bridge.trainer import TandemGRPOTrainer
 
+    # A backend that is not installed is refused before anything starts.
+    reporting = grpo_reporting(args.report_to, run_name=args.run_name or Path(args.output_dir).resolve().name,
+                               output_dir=args.output_dir, wandb_project=args.wandb_project,
+                               tensorboard_dir=args.tensorboard_dir)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     started = time.monotonic()
@@ -82,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         loss_type=args.loss, beta=0.0, epsilon=0.2,
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
-        logging_steps=1, save_strategy="no", report_to="none", seed=args.seed,
+        logging_steps=1, save_strategy="no", seed=args.seed, **reporting,
         use_cpu=not torch.cuda.is_available(), bf16=False, disable_tqdm=True,
         **grpo_config_values(status, world, per_device),
         # Periodic evals are the sampler's /eval (TandemGRPOTrainer.evaluate); GRPOConfig still asks

@@ -17,7 +17,8 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from shared import contract
-from shared.settings import EnvArgs, TandemSettings
+from shared.settings import EnvArgs
+from shared.tracking import TrackingSettings
 
 
 # Steps that take each built-in task from a greedy eval near 0 to near 1 on a 2-core CPU, with
@@ -40,10 +41,10 @@ LORA_STEPS_BY_ENV = {"toy": 400}
 TRAINER_FLAGS_SET_BY_DEMO = frozenset({
     "model", "sampler_url", "run_dir", "per_device_batch_size", "grad_accum_steps", "max_steps",
     "learning_rate", "loss", "eval_every", "eval_examples", "seed", "progress", "log_level", "api_token",
-    "lora_rank"})
+    "lora_rank", "report_to", "run_name", "wandb_project", "tensorboard_dir", "tensorboard"})
 
 
-class DemoSettings(TandemSettings):
+class DemoSettings(TrackingSettings):
     """The whole stack on one machine: a fresh model, CPU inference, sampler and trainer."""
 
     section: ClassVar[str] = "demo"

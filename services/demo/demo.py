@@ -11,6 +11,8 @@
    `per_device_batch_size * grad_accum_steps` always equals the sampler's
    `prompts_per_step * num_generations`. A random API token protects the sampler's
    mutating endpoints; it travels in the children's environment, not on command lines.
+   With `report_to`, the sampler and the trainer both get it, with one run name and one
+   TensorBoard directory (`run_dir/tensorboard` unless given; docs/tracking.md).
 3. Shows progress from `run_dir/trainer_metrics.jsonl` (a live bar on a terminal, plain
    lines otherwise) and prints the dashboard URL, the sampler's `GET /`.
 4. When the trainer exits 0: reads the served weight version from the inference server's
@@ -238,8 +240,19 @@ class Demo:
         self._record_processes()
         return child
 
+    def _tracking_flags(self) -> dict[str, Any]:
+        """`report_to` and its knobs for the sampler and either trainer, resolved here so that
+        both land in one W&B group and one TensorBoard tree whatever their run directories."""
+        s = self.s
+        if not s.report_to:
+            return {}
+        return {"report_to": ",".join(s.report_to), "run_name": s.tracking_name(),
+                "wandb_project": s.wandb_project, "tensorboard_dir": self.run_dir / "tensorboard"
+                if s.tensorboard_dir is None else Path(s.tensorboard_dir).resolve()}
+
     def _trainer_argv(self, model_dir: Path) -> list[str]:
-        """The same run for either trainer: batch shape, steps, learning rate, loss, evals and seed."""
+        """The same run for either trainer: batch shape, steps, learning rate, loss, evals, seed
+        and tracking."""
         s = self.s
         if s.trainer == "native":
             return _tandem(
@@ -247,15 +260,16 @@ class Demo:
                 per_device_batch_size=s.per_device_batch_size, grad_accum_steps=s.grad_accum_steps,
                 max_steps=s.steps, learning_rate=s.learning_rate, loss=s.loss, eval_every=s.eval_every,
                 eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level,
-                lora_rank=s.lora_rank or None,
+                lora_rank=s.lora_rank or None, **self._tracking_flags(),
                 **{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in s.trainer_args.items()})
         flags = {"sampler_url": self.sampler_url, "model": model_dir, "max_steps": s.steps,
                  "output_dir": self.trainer_dir, "per_device_batch_size": s.per_device_batch_size,
                  "learning_rate": s.learning_rate, "loss": s.loss, "eval_every": s.eval_every,
                  "eval_examples": s.eval_examples, "seed": s.seed, "torch_threads": s.torch_threads,
-                 "lora_rank": s.lora_rank}
+                 "lora_rank": s.lora_rank, **self._tracking_flags()}
         return [sys.executable, str(TRL_EXAMPLE)] + [
-            arg for key, value in flags.items() for arg in ("--" + key.replace("_", "-"), str(value))]
+            arg for key, value in flags.items() if value is not None
+            for arg in ("--" + key.replace("_", "-"), str(value))]
 
     def _check_children(self) -> None:
         for child in self.children.values():
@@ -317,6 +331,7 @@ class Demo:
                 prompts_per_step=s.prompts_per_step, num_generations=s.num_generations,
                 max_staleness=s.max_staleness, on_policy=s.on_policy, temperature=s.temperature,
                 max_tokens=s.max_tokens, seed=s.seed, eval_examples=s.eval_examples, log_level=s.log_level,
+                **self._tracking_flags(),
             ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
             # The sampler needs no model: it starts while the model is written.
             if s.model:

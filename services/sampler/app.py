@@ -1,7 +1,8 @@
 """The sampler's FastAPI app. The lifespan owns every client and background task.
 
-Start-up: Redis (external, or the embedded one under run_dir), the events listener,
-the HTTP client for inference servers, the fleet (membership and health of the inference
+Start-up: Redis (external, or the embedded one under run_dir), the W&B / TensorBoard
+reporter when `report_to` names one (services/sampler/observability/tracking.py), the events
+listener, the HTTP client for inference servers, the fleet (membership and health of the inference
 servers), the producer and unfinished evals. Shutdown cancels the tasks within a deadline, closes the clients and
 stops the embedded Redis if this process started it (its AOF keeps the data).
 """
@@ -39,6 +40,7 @@ from services.sampler.observability.http import HttpMetricsMiddleware
 from services.sampler.observability.metrics import SamplerMetrics
 from services.sampler.observability.recent import RecentRollouts
 from services.sampler.observability.throughput import ThroughputHistory
+from services.sampler.observability.tracking import BatchReporter
 from services.sampler.producer import Producer
 from services.sampler.redis_link import RedisLink
 from services.sampler.redis_server import start_embedded, watch_embedded
@@ -58,6 +60,7 @@ from services.sampler.vf.sessions import Sessions
 from services.sampler.weight_sync import WeightSync
 from shared.http_client import HttpClient
 from shared.settings import SettingsError
+from shared.tracking import Reporter
 
 log = logging.getLogger("tandem.sampler")
 
@@ -90,6 +93,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         keys = Keys(settings.namespace)
         # Before anything reads or writes the run: refuses a namespace holding another run.
         await run_identity.claim(redis, keys, settings, redis_url)
+        # Before the first batch: a backend that cannot start (not logged in to W&B) refuses the start.
+        reporter = await asyncio.to_thread(Reporter.start, settings, "sampler",
+                                           settings.model_dump(mode="json", exclude={"api_token", "redis_url"}))
         store = Store(redis, keys, cache_bytes=settings.batch_cache_bytes)
         notifier = Notifier(redis_url, keys.events, link)
         # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).
@@ -158,6 +164,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         recent_rollouts = RecentRollouts()
         producer.on_sealed.append(metrics.on_sealed)
         producer.on_sealed.append(recent_rollouts.on_sealed)
+        if reporter is not None:
+            producer.on_sealed.append(BatchReporter(reporter).on_sealed)
         weight_sync.on_synced.append(metrics.on_synced)
         rollout_log = None
         if settings.rollout_log:
@@ -208,6 +216,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             await made_rollouts.aclose()
         if "workers" in locals():
             workers.shutdown()
+        if locals().get("reporter") is not None:
+            # After the drain: the last batches sealed are reported too. W&B finishes its run here.
+            await asyncio.to_thread(reporter.close)
         await http.aclose()
         await redis.aclose()
         if embedded is not None and embedded.owned:

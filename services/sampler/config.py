@@ -8,7 +8,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from shared import contract
 from shared.adapters import DEFAULT_ADAPTER_NAME
-from shared.settings import CommaList, EnvArgs, TandemSettings, json_if_str
+from shared.settings import CommaList, EnvArgs, json_if_str
+from shared.tracking import TrackingSettings
 
 
 class CurriculumStage(BaseModel):
@@ -27,7 +28,7 @@ class CurriculumStage(BaseModel):
         return self
 
 
-class SamplerSettings(TandemSettings):
+class SamplerSettings(TrackingSettings):
     """The sampler: generates, scores and seals batches; drives weight sync."""
 
     section: ClassVar[str] = "sampler"

@@ -16,7 +16,8 @@ from services.trainer.corrections import IS_MODES, Correction
 from services.trainer.lora import DEFAULT_TARGET_MODULES, target_module_problem
 from shared import contract
 from shared.probe import MAX_PROBE_TOKENS
-from shared.settings import CommaList, TandemSettings
+from shared.settings import CommaList
+from shared.tracking import TrackingSettings, backend_problem
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PublishDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -26,7 +27,7 @@ IsMode = Literal["truncate", "mask", "mask_truncate"]
 assert IsMode.__args__ == IS_MODES
 
 
-class TrainerSettings(TandemSettings):
+class TrainerSettings(TrackingSettings):
     """The GRPO trainer: long-polls /batch, trains, checkpoints, publishes weights."""
 
     section: ClassVar[str] = "trainer"
@@ -172,7 +173,9 @@ class TrainerSettings(TandemSettings):
     wait_log_interval: float = Field(
         default=30.0, gt=0, description="seconds between two log lines about one wait on the sampler"
     )
-    tensorboard: bool = Field(default=False, description="also write TensorBoard scalars to run_dir/tensorboard")
+    tensorboard: bool = Field(
+        default=False, description="the same as adding tensorboard to report_to (kept for older configs)"
+    )
     progress: bool = Field(default=True, description="show a progress display on rank 0")
 
     # Trainer and inference computing the same numbers (services/trainer/probe.py, mismatch.py).
@@ -211,6 +214,11 @@ class TrainerSettings(TandemSettings):
                              "tokens after the first")
         self.correction()  # the band and rejection checks, with their messages
         self._check_lora()
+        if self.tensorboard and "tensorboard" not in self.report_to:
+            problem = backend_problem(["tensorboard"])
+            if problem:
+                raise ValueError(f"tensorboard = true: {problem}")
+            self.report_to = [*self.report_to, "tensorboard"]
         if not self.sampler_url.startswith(("http://", "https://")):
             raise ValueError(f"sampler_url {self.sampler_url!r} is not an http(s) URL")
         return self

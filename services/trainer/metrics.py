@@ -1,4 +1,4 @@
-"""Trainer observability: JSONL metrics, optional TensorBoard, a progress bar.
+"""Trainer observability: JSONL metrics (mirrored to W&B / TensorBoard with report_to), a progress bar.
 
 `run_dir/trainer_metrics.jsonl` gets one JSON object per line, appended and flushed as
 it happens, so a crashed run keeps everything up to the crash and a resumed run appends:
@@ -9,8 +9,10 @@ it happens, so a crashed run keeps everything up to the crash and a resumed run 
   eval result arrives;
 * `{"event": "start" | "end", ...}` around a run.
 
-TensorBoard is optional: with `tensorboard = true` and no TensorBoard installed the
-trainer logs one warning and carries on.
+With `report_to` (shared/tracking.py, docs/tracking.md) the step and eval records also go to
+W&B and/or TensorBoard, at the record's step: a step record's numbers under the names of its
+line (`loss`, `reward_mean`, ...), an eval record's under `eval/` (`eval/reward`,
+`eval/result/reward_mean`, ...: eval and step records share names such as `version`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.tracking import Reporter
 
 log = logging.getLogger("tandem.trainer.metrics")
 
@@ -50,45 +55,42 @@ def eval_reward(result: dict[str, Any] | None) -> float | None:
 
 
 class MetricsLogger:
-    """Appends JSONL records; mirrors numeric step/eval scalars to TensorBoard if enabled."""
+    """Appends JSONL records; hands the numbers of step and eval records to a tracking reporter."""
 
-    def __init__(self, run_dir: Path | str, *, enabled: bool = True, tensorboard: bool = False):
+    def __init__(self, run_dir: Path | str, *, enabled: bool = True, reporter: Reporter | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
+        self.reporter = reporter
         self._fh = None
-        self._tb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Open for the whole run (closed in close()): one line-buffered append per record.
         self._fh = open(self.path, "a", buffering=1)  # noqa: SIM115
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            except Exception as exc:  # noqa: BLE001 -- ImportError, or a broken install: optional
-                log.warning("tensorboard = true but TensorBoard is not usable (%s); JSONL only", exc)
-            else:
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self._fh:
             return
         record = {"time": time.time(), **record}
         self._fh.write(json.dumps(json_safe(record), default=str) + "\n")
-        if self._tb is not None and record.get("event") in ("step", "eval"):
-            step = int(record.get("step", 0))
-            prefix = "train" if record["event"] == "step" else "eval"
-            for key, value in record.items():
-                if key not in ("step", "time", "version") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{prefix}/{key}", value, step)
+        if self.reporter is not None and record.get("event") in ("step", "eval"):
+            self.reporter.log(reported(record), int(record.get("step") or 0))
 
     def close(self) -> None:
+        """Closes the file; the reporter is its owner's to close."""
         if self._fh:
             self._fh.close()
             self._fh = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+
+
+def reported(record: dict[str, Any]) -> dict[str, Any]:
+    """What a step or eval record reports to W&B / TensorBoard: its values but the axis (`step`),
+    the wall clock (`time`) and the kind (`event`); an eval's under `eval/`. The reporter keeps
+    the numbers and flattens `result` into `eval/result/...`."""
+    values = {k: v for k, v in record.items() if k not in ("event", "step", "time")}
+    if record.get("event") == "eval":
+        return {f"eval/{k}": v for k, v in values.items()}
+    return values
 
 
 class ProgressBar:

@@ -18,7 +18,8 @@ Start-up (`Trainer.start`): GET /status (retried, with a line every `wait_log_in
 max_staleness; a batch-shape, reuse or retention disagreement (shared/contract.py) stops the
 trainer with a message naming the numbers, and so do a token the sampler refuses (`GET
 /auth`) and a `--model` that is no model (services/trainer/preflight.py), all before the
-model loads. Then the process's place in the job (services/trainer/world.py), how parameters
+model loads; so does a `report_to` backend that cannot start (rank 0 starts its reporter
+there, shared/tracking.py). Then the process's place in the job (services/trainer/world.py), how parameters
 are spread over the ranks (services/trainer/sharding.py: ddp or fsdp), and the model,
 optimizer and reference model (services/trainer/model_setup.py); with a full checkpoint in
 run_dir/checkpoints (and `resume`) the run continues at step = its version, and rank 0
@@ -93,6 +94,7 @@ from services.trainer.world import World
 from shared import contract
 from shared.client import BatchNotReady, SamplerClient, VersionConflict
 from shared.settings import SettingsError
+from shared.tracking import Reporter
 from shared.wire import Batch
 
 log = logging.getLogger("tandem.trainer")
@@ -156,6 +158,7 @@ class Trainer:
         self.world: World | None = None
         self.client: SamplerClient | None = None
         self.metrics: MetricsLogger | None = None
+        self.reporter: Reporter | None = None  # rank 0's, with report_to
 
     async def run(self) -> dict[str, Any]:
         """Start, train steps start_step..max_steps-1, finish; returns the summary."""
@@ -195,6 +198,12 @@ class Trainer:
         self.config = accept_sampler_config(await self.client.status(), s, world.world_size)
         await preflight.check_token(self.client, s)  # before the model loads: a wrong token costs a second
         preflight.check_model(s.model)
+        if world.is_main and s.report_to:
+            # Before the model loads: a backend that cannot start (not logged in to W&B) costs seconds.
+            self.reporter = await asyncio.to_thread(
+                Reporter.start, s, "trainer",
+                {**s.model_dump(mode="json", exclude={"api_token"}), "sampler": self.config.model_dump(mode="json"),
+                 "world_size": world.world_size})
         temperature = resolve_temperature(s, self.config)
         truncation = self.config.truncation()
         max_len = s.max_completion_length or self.config.max_tokens
@@ -241,7 +250,7 @@ class Trainer:
                 checkpoint_record=ckpt.read_state(resumed_from).get("record") if resumed_from else None)
             retrained |= history.superseded
         self.retrained = retrained
-        self.metrics = MetricsLogger(s.run_dir, enabled=world.is_main, tensorboard=s.tensorboard)
+        self.metrics = MetricsLogger(s.run_dir, enabled=world.is_main, reporter=self.reporter)
         self.published_version = start_step
         self.public_settings = s.model_dump(mode="json", exclude={"api_token"})
         if world.is_main:
@@ -534,6 +543,8 @@ class Trainer:
             task.cancel()
         if self.metrics is not None:
             self.metrics.close()
+        if self.reporter is not None:
+            await asyncio.to_thread(self.reporter.close)  # W&B: finish the run
         if self._client is None and self.client is not None:
             await self.client.aclose()
         self._executor.shutdown(wait=False)

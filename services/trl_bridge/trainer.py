@@ -32,6 +32,10 @@ Mapping onto TRL's knobs:
   logprobs directly (the native trainer's `tis_cap` 0).
 * **Evaluation** is the sampler's `POST /eval` (one generation per held-out prompt, rewards
   only), logged with TRL's `log`: `trainer.evaluate()` or `eval_strategy="steps"`.
+* **Tracking** is TRL's: `args.report_to` (wandb, tensorboard, ...) reports TRL's metrics through
+  transformers' callbacks; `tracking.grpo_reporting` picks the names and places that put the
+  run beside its sampler's (docs/tracking.md). A chosen backend that is not installed is
+  refused before the model loads.
 * **LoRA** (`peft_config=LoraConfig(...)`, as TRL takes it): TRL wraps the base model, only the
   adapter trains, and every version is the adapter alone in PEFT's format, posted with
   `adapter: true` (publication.py, shared/adapters.py); the probe is base + adapter, the
@@ -61,6 +65,7 @@ from services.trl_bridge.agreement import check_grpo_config, tandem_step, versio
 from services.trl_bridge.inputs import to_tensors
 from services.trl_bridge.publication import Publisher
 from services.trl_bridge.sampler_link import SamplerLink
+from services.trl_bridge.tracking import check_report_to
 from shared import contract
 from shared.contract import SamplerConfig
 from shared.wire import MAX_METRICS, Batch
@@ -104,6 +109,7 @@ class TandemGRPOTrainer(GRPOTrainer):
             problem = peft_config_problem(peft_config)
             if problem:
                 raise ValueError(problem)
+        check_report_to(args.report_to)  # a missing W&B / TensorBoard named now, not after the model loads
         link = SamplerLink(sampler_url, api_token=api_token, poll_timeout=poll_timeout, batch_timeout=batch_timeout)
         try:
             # Before any model is loaded: a disagreement costs a second, not a model load.
