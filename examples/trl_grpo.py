@@ -1,4 +1,4 @@
-"""Train with TRL's GRPOTrainer on batches from a running Tandem sampler (README "TRL").
+"""Train with TRL's GRPOTrainer on batches from a running Tandem sampler (docs/trl.md).
 
     python examples/trl_grpo.py --sampler-url http://127.0.0.1:8100 --model runs/demo/model \
         --max-steps 60 --output-dir runs/trl

@@ -4,7 +4,7 @@ The contract's names `steps`, `max_staleness`, `on_policy`, `seed` and `run_dir`
 meaning docs/settings.md gives them; the rest are the knobs the demo passes on to its children
 as flags.
 The defaults are tuned so that `tandem demo` on a 2-core CPU takes the toy task from a
-greedy eval reward near 0 to near 1 within a few minutes (README "Demo").
+greedy eval reward near 0 to near 1 within a few minutes (docs/demo.md).
 
 Importing this module never imports torch.
 """
@@ -22,7 +22,7 @@ from shared.tracking import TrackingSettings
 
 
 # Steps that take each built-in task from a greedy eval near 0 to near 1 on a 2-core CPU, with
-# margin (README "Demo"): parity_dialogue reaches >= 0.95 by step 70-80 on seeds 0-4
+# margin (docs/demo.md): parity_dialogue reaches >= 0.95 by step 70-80 on seeds 0-4
 # (bench/results/convergence_dialogue.md).
 STEPS_BY_ENV = {"toy": 150, "parity_dialogue": 250}
 
@@ -92,7 +92,7 @@ class DemoSettings(TrackingSettings):
     loss: contract.LossName = "grpo"
     trainer: Literal["native", "trl"] = Field(
         default="native", description="native = Tandem's trainer (`tandem trainer`); trl = TRL's GRPOTrainer fed by "
-        "the sampler (examples/trl_grpo.py, README \"TRL\"; needs the trl extra, which `make install` installs)")
+        "the sampler (examples/trl_grpo.py, docs/trl.md; needs the trl extra, which `make install` installs)")
     eval_every: int = Field(default=10, ge=0, description="greedy eval every N steps (0: only before and after)")
     eval_examples: int = Field(default=64, ge=1)
     trainer_args: EnvArgs = Field(

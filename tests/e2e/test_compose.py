@@ -1,7 +1,7 @@
 """docker-compose.yml, docker/Dockerfile and .dockerignore, checked without a Docker engine.
 
 The static part reads the compose file with PyYAML (which resolves the `<<` merge keys
-the file uses, as Compose does) and checks the structure the README promises: services
+the file uses, as Compose does) and checks the structure docs/docker.md promises: services
 per profile, healthchecks behind every `service_healthy`, the vLLM flags of
 docs/inference-api.md, GPU reservations, the checkpoint volume shared at the same path, the
 batch shape, and `${VAR:?}` for the API token. The second part runs `docker compose config`

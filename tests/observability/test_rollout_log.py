@@ -45,7 +45,7 @@ def test_parquet_round_trip_matches_get_batch(make_sampler, run_dir):
             assert row["staleness"] == batch["step"] - sample["policy_version"]
             assert row["sealed_at"] == stats["sealed_at"]
 
-    # The directory reads as one dataset (the README's recipe).
+    # The directory reads as one dataset (the recipe in docs/dashboard.md, Rollout logs).
     frame = pd.read_parquet(directory)
     # The producer may already have sealed later steps (k = 1): compare steps 0-2.
     frame = frame[frame["step"] < 3]

@@ -71,7 +71,7 @@ def test_learns_the_toy_task_and_publishes_every_version(make_toy_stack, tiny_mo
 
     # Learning, on greedy evals of 64 held-out prompts: the fresh model never answers `e` or
     # `o`; after a few steps it answers one of them for every number (half right), which is
-    # where the demo sits before it learns parity (README "Demo").
+    # where the demo sits before it learns parity (docs/demo.md).
     assert before["before_reward"] <= 0.1, before
     assert after["after_reward"] >= 0.4, after
     assert before["before_policy_version"] == 0 and after["after_policy_version"] == steps

@@ -4,7 +4,7 @@ when every in-place reload takes effect (vLLM's own reload left it at ~0.04 rewa
 steps). On-policy (k = 0), so `behaviour_mismatch` measures only how far vLLM's numbers are
 from the trainer's, not how far the policy moved in a step.
 
-The 120-step run of the issue is `make demo ARGS="--backend vllm --steps 120"` (README).
+The 120-step run of the issue is `make demo ARGS="--backend vllm --steps 120"` (docs/vllm.md, Measured).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ async def test_a_short_run_learns_through_real_vllm(vllm_server: VllmHandle, tmp
     sampler_dir, run_dir = tmp_path / "sampler", tmp_path / "trainer"
     cleanup.add(lambda: kill_embedded_redis(sampler_dir))
     try:
-        # The demo's shape (README "Demo"): 8 prompts x 16 generations of 4 tokens, lr 1e-3.
+        # The demo's shape (docs/demo.md): 8 prompts x 16 generations of 4 tokens, lr 1e-3.
         sampler = start_sampler_process(
             sampler_dir, inference_urls=[vllm_server.url], model_name=vllm_server.served_model_name, env="toy",
             prompts_per_step=8, num_generations=16, max_tokens=4, on_policy=True, max_staleness=0,

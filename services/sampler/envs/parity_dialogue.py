@@ -16,7 +16,7 @@ digit that matters, GRPO gets a signal at once, and sharpening attention to the 
 number then pays for the later turns. With four-digit numbers the bag holds four digits and
 the policy settled on one letter (greedy eval 0.52 for 300 steps at learning rates 1e-3 and
 3e-3); supervised training learns either in ~100 steps. `make demo ARGS="--env
-parity_dialogue"` trains it (README "Demo").
+parity_dialogue"` trains it (docs/demo.md, "Multi-turn: parity_dialogue").
 
 Examples are seeded and stable: distinct conversations (sequences of numbers) from one seeded
 stream, the first `num_eval` for eval and the next `num_train` for training, so no eval
