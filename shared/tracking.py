@@ -75,8 +75,14 @@ class TrackingSettings(TandemSettings):
     @field_validator("report_to", mode="before")
     @classmethod
     def _json_list(cls, value: Any) -> Any:
-        # '["wandb", "tensorboard"]' from a flag or the environment, as other lists accept.
-        return json_if_str(value) if isinstance(value, str) and value.lstrip().startswith("[") else value
+        # '["wandb", "tensorboard"]' from a flag (each repeat) or the environment, as well as "a,b".
+        if not isinstance(value, (str, list)):
+            return value
+        out: list[Any] = []
+        for item in [value] if isinstance(value, str) else value:
+            is_json = isinstance(item, str) and item.lstrip().startswith("[")
+            out.extend(json_if_str(item) if is_json else [item])
+        return out
 
     @field_validator("report_to")
     @classmethod

@@ -164,8 +164,10 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         recent_rollouts = RecentRollouts()
         producer.on_sealed.append(metrics.on_sealed)
         producer.on_sealed.append(recent_rollouts.on_sealed)
+        batch_reporter = None
         if reporter is not None:
-            producer.on_sealed.append(BatchReporter(reporter).on_sealed)
+            batch_reporter = BatchReporter(reporter, building=lambda: producer.in_progress.keys())
+            producer.on_sealed.append(batch_reporter.on_sealed)
         weight_sync.on_synced.append(metrics.on_synced)
         rollout_log = None
         if settings.rollout_log:
@@ -218,6 +220,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             workers.shutdown()
         if locals().get("reporter") is not None:
             # After the drain: the last batches sealed are reported too. W&B finishes its run here.
+            if locals().get("batch_reporter") is not None:
+                batch_reporter.flush()
             await asyncio.to_thread(reporter.close)
         await http.aclose()
         await redis.aclose()

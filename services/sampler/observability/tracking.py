@@ -15,6 +15,7 @@ flattened (`rewards_mean/<reward function>`, `finish_reasons/length`), except:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
 from shared.tracking import Reporter
@@ -28,11 +29,29 @@ def batch_metrics(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 class BatchReporter:
-    """Producer hook: each sealed batch's stats to the reporter, at the batch's step. Cheap on
-    the event loop: the reporter only queues them."""
+    """Producer hook: each sealed batch's stats to the reporter, at the batch's step, in step order.
 
-    def __init__(self, reporter: Reporter):
+    Batches are built concurrently and may seal out of order (batch 1 before batch 0), and
+    TensorBoard reads a step lower than one it has seen as a restart, dropping the later points
+    from its charts. So a batch waits while a lower step is still being built here
+    (`building`: the producer's steps in flight) and goes out with it; one whose lower step was
+    dropped instead goes out with the next seal, or at `flush` (shutdown). Cheap on the event
+    loop: the reporter only queues them."""
+
+    def __init__(self, reporter: Reporter, building: Callable[[], Collection[int]]):
         self.reporter = reporter
+        self.building = building
+        self.held: dict[int, dict[str, Any]] = {}
 
     def on_sealed(self, payload: dict[str, Any]) -> None:
-        self.reporter.log(batch_metrics(payload["stats"]), payload["step"])
+        self.held[payload["step"]] = batch_metrics(payload["stats"])
+        # A step sealing now is still among those in flight until its hooks are done.
+        unsealed = min((s for s in self.building() if s not in self.held), default=None)
+        for step in sorted(self.held):
+            if unsealed is not None and step > unsealed:
+                break
+            self.reporter.log(self.held.pop(step), step)
+
+    def flush(self) -> None:
+        for step in sorted(self.held):
+            self.reporter.log(self.held.pop(step), step)
