@@ -169,8 +169,8 @@ class _Wandb:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log({**metrics, "step": step})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
 
 
 class _TensorBoard:
@@ -190,7 +190,7 @@ class _TensorBoard:
         values = [self._summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
         self.writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         self.writer.close()
 
 
@@ -228,7 +228,8 @@ class Reporter:
                 except Exception as exc:  # noqa: BLE001 -- whatever the backend raises, said in one line
                     hint = (" (`wandb login`, or WANDB_API_KEY; WANDB_MODE=offline keeps the run on disk)"
                             if name == "wandb" else "")
-                    raise SettingsError(f"report_to {name}: could not start: {type(exc).__name__}: {exc}{hint}") from None
+                    said = " ".join(str(exc).split())  # one line, as every start-up refusal
+                    raise SettingsError(f"report_to {name}: could not start: {type(exc).__name__}: {said}{hint}") from None
         except BaseException:
             for backend in backends.values():
                 _quietly(backend.close)
@@ -243,8 +244,9 @@ class Reporter:
         if numbers:
             self._queue.put((numbers, int(step)))
 
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Hand over what is queued, then close every backend (W&B: finish the run). Blocking."""
+    def close(self, exit_code: int = 0, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Hand over what is queued, then close every backend (W&B: finish the run, failed when
+        `exit_code` is not 0). Blocking."""
         if not self._thread.is_alive():
             return
         self._queue.put(_STOP)
@@ -252,7 +254,7 @@ class Reporter:
         if self._thread.is_alive():
             log.warning("tracking: the backends took over %.0fs to take the last values; closing anyway", timeout)
         for name, backend in self.backends.items():
-            _quietly(backend.close, f"tracking: closing {name} failed")
+            _quietly(lambda: backend.close(exit_code), f"tracking: closing {name} failed")
 
     def _run(self) -> None:
         while True:

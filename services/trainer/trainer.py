@@ -175,9 +175,12 @@ class Trainer:
                 self.progress.close()
                 if self.state.prefetch is not None:
                     self.state.prefetch.cancel()
-            return await self.finish()
-        finally:
-            await self._close()
+            summary = await self.finish()
+        except BaseException:
+            await self._close(failed=True)
+            raise
+        await self._close(failed=False)
+        return summary
 
     # -- start ----------------------------------------------------------------------------
 
@@ -537,14 +540,15 @@ class Trainer:
         world.barrier()
         return summary
 
-    async def _close(self) -> None:
+    async def _close(self, failed: bool) -> None:
         """Whatever start() set up, released; safe after a failure part-way through it."""
         for task in self._eval_tasks:
             task.cancel()
         if self.metrics is not None:
             self.metrics.close()
         if self.reporter is not None:
-            await asyncio.to_thread(self.reporter.close)  # W&B: finish the run
+            # W&B: finish the run, marked failed when the trainer stops on an error.
+            await asyncio.to_thread(self.reporter.close, exit_code=1 if failed else 0)
         if self._client is None and self.client is not None:
             await self.client.aclose()
         self._executor.shutdown(wait=False)

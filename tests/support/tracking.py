@@ -39,7 +39,7 @@ class OfflineRun:
     job_type: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)  # one dict per logged row
-    exited: bool = False
+    exit_code: int | None = None  # None: the run never finished
 
     def rows_with(self, key: str) -> list[dict[str, Any]]:
         return [row for row in self.history if key in row]
@@ -89,7 +89,7 @@ def read_wandb_run(path: Path) -> OfflineRun:
             run.history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                 for item in record.history.item})
         elif kind == "exit":
-            run.exited = True
+            run.exit_code = record.exit.exit_code
     return run
 
 

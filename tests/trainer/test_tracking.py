@@ -127,7 +127,7 @@ async def test_trainer_and_sampler_report_to_wandb_and_tensorboard(tiny_model_di
     runs = {r.job_type: r for r in wandb_runs(run_dir / "wandb")}
     assert set(runs) == {"trainer", "sampler"}
     for service, run in runs.items():
-        assert (run.name, run.group, run.project, run.exited) == (f"letters-{service}", "letters", "tandem", True)
+        assert (run.name, run.group, run.project, run.exit_code) == (f"letters-{service}", "letters", "tandem", 0)
     trainer_run = runs["trainer"]
     assert trainer_run.config["max_steps"] == STEPS and "api_token" not in trainer_run.config
     rows = {row["step"]: row for row in trainer_run.rows_with("loss")}
@@ -189,7 +189,7 @@ def test_a_failing_backend_is_logged_and_the_others_go_on(tmp_path: Path, caplog
         def log(self, metrics: dict, step: int) -> None:
             raise OSError("disk gone")
 
-        def close(self) -> None:
+        def close(self, exit_code: int = 0) -> None:
             raise OSError("still gone")
 
     settings = TrackingSettings(run_dir=tmp_path, report_to="tensorboard")
@@ -280,3 +280,12 @@ def test_sampler_batches_sealed_out_of_order_are_reported_in_step_order(tmp_path
     scalars = tensorboard_scalars(tmp_path / "tensorboard" / "sampler")
     assert [step for step, _ in scalars["reward_mean"]] == [0, 1, 4, 5, 7]
     assert set(scalars) == {"reward_mean", "finish_reasons/stop"}  # not the axis, the clock or the versions
+
+
+def test_a_backend_that_cannot_start_stops_the_start_with_what_to_do(
+        tmp_path: Path, wandb_offline: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "no-such-mode")  # W&B refuses it in wandb.init, as it would a missing login
+    settings = TrackingSettings(run_dir=tmp_path, report_to="tensorboard,wandb")
+    with pytest.raises(SettingsError, match=r"report_to wandb: could not start: .*WANDB_MODE=offline"):
+        Reporter.start(settings, "trainer")
+    assert Reporter.start(TrackingSettings(run_dir=tmp_path), "trainer") is None  # nothing chosen, nothing started
