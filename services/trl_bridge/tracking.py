@@ -4,9 +4,9 @@ TRL reports through transformers' own callbacks, with TRL's metric names (`rewar
 `tandem/staleness_mean`, ...), so this side only chooses: `GRPOConfig(report_to=...,
 run_name=...)`, plus what those callbacks read from the environment. The names and places
 match the native trainer's, so a TRL run lands next to its sampler: the W&B run
-`<run_name>-trainer` in the group `<run_name>` (WANDB_RUN_GROUP), the project
-`wandb_project` (WANDB_PROJECT, else tandem), TensorBoard events in `<tensorboard_dir>/trainer`
-(TENSORBOARD_LOGGING_DIR).
+`<run_name>-trainer` (job type trainer) in the group `<run_name>` (WANDB_RUN_GROUP), the project
+`wandb_project` (WANDB_PROJECT, else tandem), W&B's files under the output directory
+(WANDB_DIR), TensorBoard events in `<tensorboard_dir>/trainer` (TENSORBOARD_LOGGING_DIR).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def grpo_reporting(report_to: str | Iterable[str] | None, *, run_name: str, outp
             os.environ["WANDB_PROJECT"] = wandb_project
         os.environ.setdefault("WANDB_PROJECT", "tandem")
         os.environ.setdefault("WANDB_RUN_GROUP", run_name)
+        os.environ.setdefault("WANDB_JOB_TYPE", "trainer")
         # W&B's files under the run's directory, as the native trainer keeps them.
         os.environ.setdefault("WANDB_DIR", str(Path(output_dir)))
         Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)

@@ -234,7 +234,7 @@ def test_the_trl_example_passes_its_choice_to_trl(tmp_path: Path, monkeypatch: p
 
     from services.trl_bridge.tracking import grpo_reporting
 
-    for key in ("WANDB_PROJECT", "WANDB_RUN_GROUP", "WANDB_DIR", "TENSORBOARD_LOGGING_DIR"):
+    for key in ("WANDB_PROJECT", "WANDB_RUN_GROUP", "WANDB_JOB_TYPE", "WANDB_DIR", "TENSORBOARD_LOGGING_DIR"):
         monkeypatch.delenv(key, raising=False)
     reporting = grpo_reporting("wandb,tensorboard", run_name="r1", output_dir=tmp_path / "out",
                                wandb_project="proj", tensorboard_dir=tmp_path / "tb")
@@ -243,7 +243,9 @@ def test_the_trl_example_passes_its_choice_to_trl(tmp_path: Path, monkeypatch: p
     assert (config.report_to, config.run_name) == (["wandb", "tensorboard"], "r1-trainer")
     import os
 
-    assert (os.environ["WANDB_PROJECT"], os.environ["WANDB_RUN_GROUP"]) == ("proj", "r1")
+    assert (os.environ["WANDB_PROJECT"], os.environ["WANDB_RUN_GROUP"], os.environ["WANDB_JOB_TYPE"]) == (
+        "proj", "r1", "trainer")
+    assert os.environ["WANDB_DIR"] == str(tmp_path / "out")
     assert os.environ["TENSORBOARD_LOGGING_DIR"] == str(tmp_path / "tb" / "trainer")
     assert grpo_reporting("none", run_name="r", output_dir=tmp_path) == {"report_to": "none", "run_name": "r-trainer"}
 
@@ -282,10 +284,25 @@ def test_sampler_batches_sealed_out_of_order_are_reported_in_step_order(tmp_path
     assert set(scalars) == {"reward_mean", "finish_reasons/stop"}  # not the axis, the clock or the versions
 
 
+@pytest.mark.timeout(120)
 def test_a_backend_that_cannot_start_stops_the_start_with_what_to_do(
-        tmp_path: Path, wandb_offline: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WANDB_MODE", "no-such-mode")  # W&B refuses it in wandb.init, as it would a missing login
-    settings = TrackingSettings(run_dir=tmp_path, report_to="tensorboard,wandb")
-    with pytest.raises(SettingsError, match=r"report_to wandb: could not start: .*WANDB_MODE=offline"):
-        Reporter.start(settings, "trainer")
+        tmp_path: Path, wandb_offline: dict[str, str]) -> None:
+    """`tandem sampler` whose W&B cannot start (here a mode W&B refuses, as it refuses a missing
+    login) exits 2 at start-up with one line naming the backend and what to do. A process of its
+    own: W&B reads its environment once per process."""
+    import os
+    import subprocess
+
+    run_dir = tmp_path / "refused"
+    env = {**os.environ, **wandb_offline, "WANDB_MODE": "no-such-mode"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "services.cli", "sampler", "--port", "0", "--run-dir",
+                               str(run_dir), "--report-to", "tensorboard,wandb"],
+                              capture_output=True, text=True, env=env, timeout=90, cwd=Path(__file__).parents[2])
+    finally:
+        kill_embedded_redis(run_dir)
+    assert done.returncode == 2, done.stderr[-3000:]
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("tandem sampler:")]
+    assert len(refusal) == 1 and "report_to wandb: could not start" in refusal[0], done.stderr[-3000:]
+    assert "WANDB_MODE=offline" in refusal[0] and "wandb login" in refusal[0]
     assert Reporter.start(TrackingSettings(run_dir=tmp_path), "trainer") is None  # nothing chosen, nothing started
