@@ -141,8 +141,9 @@ class Observer(threading.Thread):
 
 @pytest.mark.parametrize("trainer", [
     "native",
-    pytest.param("trl", marks=pytest.mark.skipif(importlib.util.find_spec("trl") is None,
-                                                 reason="needs the trl extra: pip install -e '.[trl]'")),
+    pytest.param("trl", marks=[pytest.mark.slow,  # ~35 s; tests/trl trains through the bridge in `make test`
+                               pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                                                  reason="needs the trl extra: pip install -e '.[trl]'")]),
 ])
 def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_path: Path, trainer: str) -> None:
     """With either trainer: the native one, or TRL's GRPOTrainer fed by the sampler (its metrics and
@@ -201,6 +202,7 @@ def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_p
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
 
 
+@pytest.mark.slow  # ~35 s: a whole demo; the native demo test stays in `make test`
 def test_a_dying_child_stops_the_demo_with_its_log_tail(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     proc = start_demo(run_dir, "--steps", "500", "--eval-every", "0", "--no-progress")
@@ -216,6 +218,7 @@ def test_a_dying_child_stops_the_demo_with_its_log_tail(tmp_path: Path) -> None:
     assert_all_gone(pids)
 
 
+@pytest.mark.slow  # ~35 s: a whole demo; the native demo test stays in `make test`
 def test_sigterm_stops_every_child(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     proc = start_demo(run_dir, "--steps", "500", "--eval-every", "0", "--no-progress")

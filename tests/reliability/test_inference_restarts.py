@@ -54,7 +54,7 @@ def _restart(standin, tmp_path: Path, cleanup: Cleanup):
     return start_standin_process(tmp_path, cleanup, token_latency=0.002, port=port)
 
 
-@pytest.mark.slow
+# In `make test` (not slow): the gate's drill for a server that dies and comes back.
 def test_a_restarted_server_is_resynced_from_the_latest_checkpoint(tmp_path: Path, cleanup: Cleanup) -> None:
     standin, sampler = _start(tmp_path, cleanup)
     url = sampler.url

@@ -165,6 +165,7 @@ def test_refuses_a_config_that_disagrees_with_the_sampler(make_sampler, tmp_path
     assert "top_k 20, top_p 0.9" in str(refused.value) and "TRL's GRPOTrainer" in str(refused.value)
 
 
+@pytest.mark.slow  # ~45 s: two processes each loading TRL
 def test_two_ranks_under_accelerate_launch(make_toy_stack, tiny_model_dir: Path, tmp_path: Path) -> None:
     """examples/trl_grpo.py as two CPU ranks (gloo): each rank trains on its half of every batch,
     whole groups, and rank 0 publishes each version."""

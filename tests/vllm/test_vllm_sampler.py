@@ -107,6 +107,7 @@ def test_every_sync_is_verified_and_a_wrong_probe_takes_the_server_out(
     assert server["state"] == "ok" and server["version"] == 2 and server["probe"]["ok"], server
 
 
+@pytest.mark.slow  # ~100 s: a second vLLM start; `make test` drills a restarted (CPU) server's re-sync in tests/reliability/test_inference_restarts.py
 def test_an_engine_that_dies_is_reported_and_healed_when_it_is_back(
         vllm_server: VllmHandle, sampler, other_checkpoint: Path) -> None:
     url = sampler.url
