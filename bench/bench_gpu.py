@@ -199,6 +199,19 @@ def train_variant(learner: Any, samples: list[Any], *, grad_accum: int, warmup: 
     return out
 
 
+def _timings(row: dict[str, Any], gather_s: list[float], publish_s: list[float], digits: int) -> dict[str, Any]:
+    """The medians both publication paths report, from their per-repeat gather and write times."""
+    med = statistics.median
+    return {
+        "gather_full_state_dict_s": [round(x, digits) for x in gather_s],
+        "gather_full_state_dict_s_median": round(med(gather_s), digits),
+        "publish_weights_s": [round(x, digits) for x in publish_s],
+        "publish_weights_s_median": round(med(publish_s), digits),
+        "publish_bytes_per_s_median": round(row["bytes"] / med(publish_s)),
+        "gather_plus_publish_s_median": round(med([g + p for g, p in zip(gather_s, publish_s)]), digits),
+    }
+
+
 def publication(root: Path, model: Any, sharding: Any, dtype: Any, repeats: int, device: Any,
                 params: int) -> dict[str, Any]:
     """Gather (`full_state_dict`) + `publish_weights` into `root`, `repeats` times; plus a
@@ -247,12 +260,7 @@ def publication(root: Path, model: Any, sharding: Any, dtype: Any, repeats: int,
     med = statistics.median
     row.update({
         "repeats": repeats,
-        "gather_full_state_dict_s": [round(s, 3) for s in gather_s],
-        "gather_full_state_dict_s_median": round(med(gather_s), 3),
-        "publish_weights_s": [round(s, 3) for s in publish_s],
-        "publish_weights_s_median": round(med(publish_s), 3),
-        "publish_bytes_per_s_median": round(row["bytes"] / med(publish_s)),
-        "gather_plus_publish_s_median": round(med([g + p for g, p in zip(gather_s, publish_s)]), 3),
+        **_timings(row, gather_s, publish_s, 3),
         "variant_gpu_cast_then_copy_s_median": round(med([a for a, _ in variant_s]), 3),
         "variant_publish_weights_s_median": round(med([b for _, b in variant_s]), 3),
         "variant_total_s_median": round(med([a + b for a, b in variant_s]), 3),
@@ -282,16 +290,7 @@ def adapter_publication(root: Path, model: Any, sharding: Any, lora: Any, dtype:
             row["bytes"] = (path / ADAPTER_WEIGHTS).stat().st_size
             row["tensors"] = len(trained)
             ckpt.prune_published(pub, 1)
-    med = statistics.median
-    row.update({
-        "repeats": repeats,
-        "gather_full_state_dict_s": [round(x, 4) for x in gather_s],
-        "gather_full_state_dict_s_median": round(med(gather_s), 4),
-        "publish_weights_s": [round(x, 4) for x in publish_s],
-        "publish_weights_s_median": round(med(publish_s), 4),
-        "publish_bytes_per_s_median": round(row["bytes"] / med(publish_s)),
-        "gather_plus_publish_s_median": round(med([g + p for g, p in zip(gather_s, publish_s)]), 4),
-    })
+    row.update({"repeats": repeats, **_timings(row, gather_s, publish_s, 4)})
     return row
 
 
