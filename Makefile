@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-setup test-slow test-all bench stress lint clean test-tools vllm vllm-if-possible
+.PHONY: install demo test test-setup test-slow test-all bench stress compose-check lint clean test-tools vllm vllm-if-possible
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -94,6 +94,22 @@ bench: $(STAMP)
 # the trainer killed at chosen moments, 30 runs each; `make stress ARGS="--drill trainer --runs 50"`.
 stress: $(STAMP)
 	$(PY) -m tests.reliability.stress $(ARGS)
+
+# docker-compose.yml's CPU stack run for real under Docker (not part of `make test`: it takes
+# minutes; tests/compose/check.py, docs/docker.md): images built, healthchecks healthy, the
+# toy run learning, the dashboard and /metrics on the host ports, the sampler and Redis
+# killed mid-run with no batch lost, `down -v` leaving nothing. Starts a private dockerd
+# when none is reachable. Exit 0 also when it skips (no engine can run here: it says why).
+# The tools are installed once when missing and we are root with apt-get, like test-tools.
+compose-check: $(STAMP)
+	@for tool in dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap; do \
+	  command -v $${tool%%:*} >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    echo "installing $${tool#*:} (apt-get) for the compose check" && \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $${tool#*:}; } >/dev/null 2>&1; } || \
+	  echo "note: $${tool%%:*} is missing and could not be installed"; \
+	done
+	@$(PY) -m tests.compose.check $(ARGS); rc=$$?; [ $$rc = 3 ] && exit 0; exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shared services tests bench examples

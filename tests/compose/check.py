@@ -1,0 +1,220 @@
+"""`make compose-check`: docker-compose.yml's CPU stack run for real, end to end.
+
+    python -m tests.compose.check [--steps 60] [--cache ~/.cache/tandem-compose] [--keep-images]
+
+Phases (each timed, then the total):
+  engine     the Docker engine `docker` reaches, or a private dockerd (tests/compose/engine.py)
+  base       which registry images can be pulled; a local base when they cannot
+  images     tandem:cpu built from docker/Dockerfile as the compose file says, and the Redis
+             image; local stand-ins for registry images that cannot be pulled (images.py)
+  gpu-image  the gpu target's build steps, on tandem:cpu standing in for the vLLM image (which
+             cannot be pulled here): the dependency list minus torch/vllm, the package, the CLI
+  up         `docker compose --profile cpu up -d`: model-init finishes, redis, inference-cpu and
+             sampler-cpu healthy (docker inspect), the trainer running
+  endpoints  the dashboard (GET /), the sampler's and the inference server's /metrics and
+             /health on the host ports
+  sampler    the sampler container's process killed mid-run (SIGKILL): its restart policy brings it back, healthy,
+             and the published version moves on
+  redis      the Redis container's process killed mid-run (AOF, appendfsync always): back by its restart
+             policy; every batch sealed before the kill is served byte for byte after it
+  finish     the trainer exits 0 after --steps steps: steps 0..N-1 once each, versions 1..N,
+             every batch seen sealed and no group in two batches (no batch lost), and the
+             train reward rose (the run learns)
+  down       `docker compose down -v` leaves no container, network or volume of the project
+
+Exit status 0: passed; 1: a check failed; 3: skipped (no engine can run here; says why).
+A private dockerd is stopped by its pid at the end whatever happened, and its mounts undone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.compose import images
+from tests.compose.engine import Engine, Skip, start
+from tests.compose.stack import BatchRecorder, Stack, check_learns, check_no_batch_lost, wait_for
+
+SKIPPED = 3
+REDIS_IMAGE = "redis:7.4-alpine"  # docker-compose.yml's; asserted by tests/compose/test_check.py
+
+
+class Phases:
+    def __init__(self) -> None:
+        self.times: list[tuple[str, float]] = []
+        self.started = time.monotonic()
+
+    def run(self, name: str, body: Callable[[], Any], show: bool = True) -> Any:
+        print(f"[{name}] ...", flush=True)
+        began = time.monotonic()
+        try:
+            result = body()
+        finally:
+            self.times.append((name, time.monotonic() - began))
+        print(f"[{name}] ok in {self.times[-1][1]:.1f} s{': ' + str(result) if result and show else ''}", flush=True)
+        return result
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.times)
+        return f"{parts}; total {time.monotonic() - self.started:.0f} s"
+
+
+def wait_healthy(stack: Stack, timeout: float = 240) -> dict[str, str]:
+    def ready() -> dict[str, str] | None:
+        states = {s: stack.state(s) for s in ("redis", "inference-cpu", "sampler-cpu")}
+        init = stack.state("model-init")
+        assert not (init["status"] == "exited" and init["exit"] != 0), f"model-init exited {init['exit']}"
+        if all(st["health"] == "healthy" for st in states.values()) and init["status"] == "exited":
+            return {s: st["health"] for s, st in states.items()} | {"model-init": f"exit {init['exit']}"}
+        return None
+    return wait_for(ready, timeout, "redis, inference-cpu and sampler-cpu healthy")
+
+
+def check_endpoints(stack: Stack) -> dict[str, Any]:
+    page = httpx.get(f"{stack.url}/", timeout=10)
+    assert page.status_code == 200 and "<html" in page.text.lower(), (page.status_code, page.text[:200])
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=10)
+    assert metrics.status_code == 200 and "tandem_" in metrics.text, (metrics.status_code, metrics.text[:200])
+    inference = f"http://127.0.0.1:{stack.inference_port}"
+    assert httpx.get(f"{inference}/health", timeout=10).status_code == 200
+    served = httpx.get(f"{inference}/metrics", timeout=10)
+    return {"dashboard": f"{len(page.text)} bytes", "sampler /metrics": f"{len(metrics.text)} bytes",
+            "inference /metrics": served.status_code}
+
+
+def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float = 120) -> dict[str, Any]:
+    """Crash `service` once the trainer has published `at_version`; wait for the restart policy
+    to start it again, healthy, and for the trainer to publish two more versions.
+
+    The crash is SIGKILL to the container's main process (its pid on this host), as the OOM
+    killer or a fatal error would end it. `docker kill` would not do: Docker counts it as a
+    manual stop and ignores the restart policy (measured on Docker 20.10: status exited,
+    RestartCount 0), so the service stays down until `docker compose up -d` or `docker start`."""
+    wait_for(lambda: stack.published() >= at_version, 300, f"published version {at_version}")
+    before = stack.state(service)
+    version = stack.published()
+    assert before["pid"] > 0, f"{service} has no process: {before}"
+    os.kill(before["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: (st := stack.state(service))["started"] != before["started"] and st["status"] == "running",
+             timeout, f"{service} restarted by its restart policy after docker kill")
+    wait_for(lambda: stack.state(service)["health"] == "healthy", timeout, f"{service} healthy again")
+    back = time.monotonic() - killed
+    wait_for(lambda: stack.published() >= version + 2, timeout, "the run going on after the kill")
+    return {"killed at version": version, "healthy again after s": round(back, 1),
+            "restarts": stack.state(service)["restarts"]}
+
+
+def drill_redis(stack: Stack, recorder: BatchRecorder, at_version: int) -> dict[str, Any]:
+    wait_for(lambda: stack.published() >= at_version, 300, f"published version {at_version}")
+    sealed = (stack.status() or {}).get("steps", {}).get("sealed_steps") or []
+    before = {step: stack_batch for step in sealed if (stack_batch := recorder.fetch(step)) is not None}
+    result = kill_and_recover(stack, "redis", at_version)
+    # Sealed before the kill, still kept: served identically (the AOF kept them).
+    compared = 0
+    for step, content in before.items():
+        again = recorder.fetch(step)
+        if again is not None:
+            assert again == content, f"batch {step}, read before Redis was killed, differs after"
+            compared += 1
+        else:
+            status = stack.status() or {}
+            trimmed = status.get("steps", {}).get("trimmed_below") or 0
+            assert step < trimmed, f"batch {step}, sealed before the kill, is gone (trimmed below {trimmed})"
+    return result | {"batches compared byte for byte": compared}
+
+
+def finish(stack: Stack, recorder: BatchRecorder, timeout: float) -> dict[str, Any]:
+    state = wait_for(lambda: (st := stack.state("trainer-cpu"))["status"] == "exited" and st, timeout,
+                     f"the trainer finishing {stack.steps} steps")
+    assert state["exit"] == 0, f"the trainer exited {state['exit']}\n{stack.logs()}"
+    recorder.stopped.set()
+    recorder.join(10)
+    records = stack.trainer_metrics()
+    summary = check_no_batch_lost(stack.steps, records, recorder.batches)
+    assert stack.published() == stack.steps, f"published version {stack.published()}, not {stack.steps}"
+    return summary | check_learns(records) | {"trainer restarts": state["restarts"]}
+
+
+def down(stack: Stack) -> dict[str, Any]:
+    stack.compose("down", "-v", "--remove-orphans", timeout=180)
+    left = stack.leftovers()
+    assert not any(left.values()), f"left behind by down -v: {left}"
+    return {"left behind": "nothing"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="trainer steps (TANDEM_MAX_STEPS)")
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tandem-compose",
+                        help="debootstrap rootfs and the private daemon's data root (images, build cache)")
+    parser.add_argument("--no-gpu-steps", dest="gpu_steps", action="store_false",
+                        help="skip building the gpu target's steps on the CPU image")
+    args = parser.parse_args(argv)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    phases = Phases()
+    engine: Engine | None = None
+    stack: Stack | None = None
+    try:
+        try:
+            engine = phases.run("engine", lambda: start(args.cache), show=False)
+        except Skip as why:
+            print(f"SKIPPED: {why}")
+            return SKIPPED
+        print(f"  {'private dockerd, pid ' + str(engine.proc.pid) if engine.private else 'the reachable engine'}")
+        try:
+            builder = phases.run("base", lambda: images.Builder(engine, args.cache), show=False)
+        except Skip as why:
+            print(f"SKIPPED: {why}")
+            return SKIPPED
+        try:
+            phases.run("images", lambda: images.build_ours(builder)
+                       + [f"{REDIS_IMAGE}: {images.ensure_redis(engine, REDIS_IMAGE, args.cache)}"])
+            if args.gpu_steps:
+                phases.run("gpu-image", lambda: images.build_gpu_steps(builder))
+        finally:
+            builder.close()
+        stack = Stack(engine, args.steps)
+        stack.compose("down", "-v", "--remove-orphans", timeout=180)  # a previous run's leftovers
+        recorder = BatchRecorder(stack.url)
+
+        def up() -> dict[str, str]:
+            stack.compose("up", "-d", "--no-build", timeout=600)
+            recorder.start()
+            return wait_healthy(stack)
+        phases.run("up", up)
+        phases.run("endpoints", lambda: check_endpoints(stack))
+        phases.run("sampler", lambda: kill_and_recover(stack, "sampler-cpu", at_version=args.steps // 4))
+        phases.run("redis", lambda: drill_redis(stack, recorder, at_version=args.steps // 2))
+        phases.run("finish", lambda: finish(stack, recorder, timeout=600))
+        phases.run("down", lambda: down(stack))
+        stack = None
+        print(f"PASSED: {phases.summary()}")
+        return 0
+    except (AssertionError, RuntimeError) as failure:
+        print(f"FAILED: {failure}")
+        if stack is not None:
+            print(stack.logs())
+        print(phases.summary())
+        return 1
+    finally:
+        # Each step on its own, so that an interrupted `down` still stops the daemon.
+        try:
+            if stack is not None:
+                stack.compose("down", "-v", "--remove-orphans", timeout=180, check=False)
+        finally:
+            if engine is not None and engine.private:
+                engine.stop()
+                print("private dockerd stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
