@@ -90,7 +90,8 @@ def check_endpoints(stack: Stack) -> dict[str, Any]:
             "inference /metrics": served.status_code}
 
 
-def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float = 120) -> dict[str, Any]:
+def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float = 120,
+                     when_back: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Crash `service` once the trainer has published `at_version`; wait for the restart policy
     to start it again, healthy, and for the trainer to publish two more versions.
 
@@ -108,28 +109,35 @@ def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float
              timeout, f"{service} restarted by its restart policy after docker kill")
     wait_for(lambda: stack.state(service)["health"] == "healthy", timeout, f"{service} healthy again")
     back = time.monotonic() - killed
+    checked = when_back() if when_back else {}
     wait_for(lambda: stack.published() >= version + 2, timeout, "the run going on after the kill")
     return {"killed at version": version, "healthy again after s": round(back, 1),
-            "restarts": stack.state(service)["restarts"]}
+            "restarts": stack.state(service)["restarts"], **checked}
 
 
 def drill_redis(stack: Stack, recorder: BatchRecorder, at_version: int) -> dict[str, Any]:
+    """Kill Redis's process; as soon as it is healthy again (before the trainer moves on and the
+    sampler trims them), every batch sealed before the kill and still kept is served byte for
+    byte as it was read before (the AOF, fsynced per write, kept them)."""
     wait_for(lambda: stack.published() >= at_version, 300, f"published version {at_version}")
     sealed = (stack.status() or {}).get("steps", {}).get("sealed_steps") or []
-    before = {step: stack_batch for step in sealed if (stack_batch := recorder.fetch(step)) is not None}
-    result = kill_and_recover(stack, "redis", at_version)
-    # Sealed before the kill, still kept: served identically (the AOF kept them).
-    compared = 0
-    for step, content in before.items():
-        again = recorder.fetch(step)
-        if again is not None:
+    before = {step: content for step in sealed if (content := recorder.fetch(step)) is not None}
+    assert before, f"no sealed batch could be read before the kill (sealed: {sealed})"
+
+    def compare() -> dict[str, Any]:
+        trimmed = ((stack.status() or {}).get("steps", {}).get("trimmed_below")) or 0
+        compared = 0
+        for step, content in sorted(before.items()):
+            again = recorder.fetch(step)
+            if again is None:
+                assert step < trimmed, f"batch {step}, sealed before the kill, is gone (trimmed below {trimmed})"
+                continue
             assert again == content, f"batch {step}, read before Redis was killed, differs after"
             compared += 1
-        else:
-            status = stack.status() or {}
-            trimmed = status.get("steps", {}).get("trimmed_below") or 0
-            assert step < trimmed, f"batch {step}, sealed before the kill, is gone (trimmed below {trimmed})"
-    return result | {"batches compared byte for byte": compared}
+        assert compared, f"every batch sealed before the kill was trimmed before it could be compared: {sorted(before)}"
+        return {"batches compared byte for byte": f"{compared} of {len(before)}"}
+
+    return kill_and_recover(stack, "redis", at_version, when_back=compare)
 
 
 def finish(stack: Stack, recorder: BatchRecorder, timeout: float) -> dict[str, Any]:

@@ -177,6 +177,10 @@ class Builder:
 
 def build_ours(builder: Builder, image: str = "tandem:cpu") -> list[str]:
     seconds = builder.build(image)
+    if builder.engine.private:
+        # The images an earlier run's build left untagged: the private data root is kept
+        # between runs and would otherwise grow by a full image per dependency change.
+        builder.engine.docker("image", "prune", "-f", check=False)
     return [*builder.notes, f"built {image} in {seconds:.0f} s"]
 
 
