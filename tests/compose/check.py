@@ -20,6 +20,9 @@ Phases (each timed, then the total):
   finish     the trainer exits 0 after --steps steps: steps 0..N-1 once each, versions 1..N,
              every batch seen sealed and no group in two batches (no batch lost), and the
              train reward rose (the run learns)
+  tracking   the stack ran with TANDEM_REPORT_TO=tensorboard: the trainer's TensorBoard scalars on
+             the data volume are its trainer_metrics.jsonl, step for step; the sampler's batch
+             stats are there too, at the trainer's steps
   down       `docker compose down -v` leaves no container, network or volume of the project
 
 Exit status 0: passed; 1: a check failed; 3: skipped (no engine can run here; says why).
@@ -152,6 +155,31 @@ def finish(stack: Stack, recorder: BatchRecorder, timeout: float) -> dict[str, A
     return summary | check_learns(records) | {"trainer restarts": state["restarts"]}
 
 
+def check_tracking(stack: Stack) -> dict[str, Any]:
+    """What the services reported to TensorBoard (TANDEM_REPORT_TO=tensorboard, set by Stack),
+    copied off the data volume and read with TensorBoard's own reader."""
+    import tempfile
+
+    from tests.support.tracking import tensorboard_scalars
+
+    records = [r for r in stack.trainer_metrics() if r.get("event") == "step"]
+    with tempfile.TemporaryDirectory(prefix="tandem-compose-tb-") as tmp:
+        def copied() -> dict[str, Any] | None:
+            # The sampler still runs: its writer flushes every few seconds, so wait for its points.
+            stack.engine.docker("cp", f"{stack.container('sampler-cpu')}:/data/tensorboard", tmp)
+            got = {side: tensorboard_scalars(Path(tmp) / "tensorboard" / side) for side in ("trainer", "sampler")}
+            return got if got["sampler"] else None
+        got = wait_for(copied, 60, "the sampler's TensorBoard points on the data volume")
+    trainer, sampler = got["trainer"], got["sampler"]
+    loss = dict(trainer.get("loss", []))
+    want = {r["step"]: r["loss"] for r in records if isinstance(r.get("loss"), (int, float))}
+    assert loss.keys() == want.keys(), f"TensorBoard loss steps {sorted(loss)} != trainer steps {sorted(want)}"
+    assert all(abs(loss[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])) for k in want), "loss values differ"
+    reward_steps = sorted(step for step, _ in sampler.get("reward_mean", []))
+    assert reward_steps and reward_steps[-1] >= stack.steps // 2, f"sampler reward_mean steps {reward_steps}"
+    return {"trainer tags": len(trainer), "sampler tags": len(sampler), "loss points": len(loss)}
+
+
 def down(stack: Stack) -> dict[str, Any]:
     stack.compose("down", "-v", "--remove-orphans", timeout=180)
     left = stack.leftovers()
@@ -203,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         phases.run("sampler", lambda: kill_and_recover(stack, "sampler-cpu", at_version=args.steps // 4))
         phases.run("redis", lambda: drill_redis(stack, recorder, at_version=args.steps // 2))
         phases.run("finish", lambda: finish(stack, recorder, timeout=600))
+        phases.run("tracking", lambda: check_tracking(stack))
         phases.run("down", lambda: down(stack))
         stack = None
         print(f"PASSED: {phases.summary()}")

@@ -52,7 +52,8 @@ class Stack:
         # Variables the compose file reads; COMPOSE_PROFILES is left to .env and --profile.
         self.env = {k: v for k, v in engine.env.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
         self.env.update(TANDEM_API_TOKEN=self.token, TANDEM_SAMPLER_PORT=str(self.sampler_port),
-                        TANDEM_INFERENCE_PORT=str(self.inference_port), TANDEM_MAX_STEPS=str(steps))
+                        TANDEM_INFERENCE_PORT=str(self.inference_port), TANDEM_MAX_STEPS=str(steps),
+                        TANDEM_REPORT_TO="tensorboard")  # checked by the tracking phase
 
     # -- compose and docker ------------------------------------------------------------------
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
