@@ -134,9 +134,18 @@ class BatchRecorder(threading.Thread):
                 self.stopped.wait(0.3)
 
     def fetch(self, step: int) -> bytes | None:
-        got = httpx.get(f"{self.url}/batch", params={"step": step, "timeout": 0},
-                        headers={"Accept": "application/msgpack"}, timeout=10)
-        return got.content if got.status_code == 200 else None
+        code, content = self.read(step)
+        return content if code == 200 else None
+
+    def read(self, step: int) -> tuple[int | None, bytes]:
+        """The sampler's answer for batch `step` now: (HTTP status or None when it cannot be
+        reached, the body)."""
+        try:
+            got = httpx.get(f"{self.url}/batch", params={"step": step, "timeout": 0},
+                            headers={"Accept": "application/msgpack"}, timeout=10)
+        except httpx.HTTPError:
+            return None, b""
+        return got.status_code, got.content
 
 
 def check_no_batch_lost(steps: int, records: list[dict[str, Any]], batches: dict[int, bytes]) -> dict[str, Any]:
