@@ -7,40 +7,28 @@ name of our own, so a user's stack on the same daemon is never touched.
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
-import socket
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgpack
 
+from services.procs import free_port
 from tests.compose.engine import Engine, compose_command
+from tests.reliability import support as reliability_support
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "tandemcheck"
 LABEL = f"label=com.docker.compose.project={PROJECT}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+# The drills' poll, at half a second: each look is a `docker inspect` or a GET /status.
+wait_for = functools.partial(reliability_support.wait_for, interval=0.5)
 
 
 class Stack:
