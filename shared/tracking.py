@@ -15,7 +15,7 @@ them to every chosen backend:
   one scalar per name at the given step, written without torch (the sampler has none).
 
 Both packages are optional extras (`pip install 'tandem[wandb]'`, `'tandem[tensorboard]'`). A
-chosen backend that is not installed is refused when the settings are read (`backend_problem`,
+chosen backend that is not installed is refused when the settings are read (`require_installed`,
 which only looks the package up); one that cannot start (not logged in to W&B, an unwritable
 directory) is refused by `Reporter.start`, before the service works. After that, tracking never
 stops a service: the backends are called from one thread of their own, so `log` never blocks
@@ -88,9 +88,7 @@ class TrackingSettings(TandemSettings):
     @classmethod
     def _installed_backends(cls, value: list[str]) -> list[str]:
         names = backend_names(value)
-        problem = backend_problem(names)
-        if problem:
-            raise ValueError(problem)
+        require_installed(names)
         return names
 
     def tracking_name(self) -> str:
@@ -130,6 +128,14 @@ def backend_problem(names: Iterable[str]) -> str | None:
         if not found:
             return f"report_to {name} needs the {module} package, which is not installed: {install_hint(name)}"
     return None
+
+
+def require_installed(names: Iterable[str], what: str = "") -> None:
+    """Raise ValueError (prefixed with `what`, when given) naming the extra to install for the
+    first chosen backend whose package is missing."""
+    problem = backend_problem(names)
+    if problem:
+        raise ValueError(f"{what}: {problem}" if what else problem)
 
 
 def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

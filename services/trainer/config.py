@@ -17,7 +17,7 @@ from services.trainer.lora import DEFAULT_TARGET_MODULES, target_module_problem
 from shared import contract
 from shared.probe import MAX_PROBE_TOKENS
 from shared.settings import CommaList
-from shared.tracking import TrackingSettings, backend_problem
+from shared.tracking import TrackingSettings, require_installed
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PublishDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -215,9 +215,7 @@ class TrainerSettings(TrackingSettings):
         self.correction()  # the band and rejection checks, with their messages
         self._check_lora()
         if self.tensorboard and "tensorboard" not in self.report_to:
-            problem = backend_problem(["tensorboard"])
-            if problem:
-                raise ValueError(f"tensorboard = true: {problem}")
+            require_installed(["tensorboard"], what="tensorboard = true")
             self.report_to = [*self.report_to, "tensorboard"]
         if not self.sampler_url.startswith(("http://", "https://")):
             raise ValueError(f"sampler_url {self.sampler_url!r} is not an http(s) URL")

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from shared.tracking import BACKENDS, backend_names, backend_problem
+from shared.tracking import BACKENDS, backend_names, require_installed
 
 
 def grpo_reporting(report_to: str | Iterable[str] | None, *, run_name: str, output_dir: str | Path,
@@ -27,9 +27,7 @@ def grpo_reporting(report_to: str | Iterable[str] | None, *, run_name: str, outp
     when `wandb_project` is not given). Raises ValueError naming the extra when a chosen
     backend is not installed."""
     names = backend_names(report_to.split(",") if isinstance(report_to, str) else report_to or [])
-    problem = backend_problem(names)
-    if problem:
-        raise ValueError(problem)
+    require_installed(names)
     if "wandb" in names:
         if wandb_project:
             os.environ["WANDB_PROJECT"] = wandb_project
@@ -49,6 +47,4 @@ def check_report_to(report_to: Iterable[str] | str | None) -> None:
     """Refuse, naming the extra to install, a GRPOConfig whose `report_to` names wandb or
     tensorboard without the package (transformers would say so only after the model loaded)."""
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    problem = backend_problem([n for n in names if n in BACKENDS])
-    if problem:
-        raise ValueError(problem)
+    require_installed([n for n in names if n in BACKENDS])
