@@ -201,11 +201,13 @@ class Trainer:
         self.config = accept_sampler_config(await self.client.status(), s, world.world_size)
         await preflight.check_token(self.client, s)  # before the model loads: a wrong token costs a second
         preflight.check_model(s.model)
+        # What the metrics' start record, checkpoints and the tracking run's config show of the settings.
+        self.public_settings = s.model_dump(mode="json", exclude={"api_token"})
         if world.is_main and s.report_to:
             # Before the model loads: a backend that cannot start (not logged in to W&B) costs seconds.
             self.reporter = await asyncio.to_thread(
                 Reporter.start, s, "trainer",
-                {**s.model_dump(mode="json", exclude={"api_token"}), "sampler": self.config.model_dump(mode="json"),
+                {**self.public_settings, "sampler": self.config.model_dump(mode="json"),
                  "world_size": world.world_size})
         temperature = resolve_temperature(s, self.config)
         truncation = self.config.truncation()
@@ -255,7 +257,6 @@ class Trainer:
         self.retrained = retrained
         self.metrics = MetricsLogger(s.run_dir, enabled=world.is_main, reporter=self.reporter)
         self.published_version = start_step
-        self.public_settings = s.model_dump(mode="json", exclude={"api_token"})
         if world.is_main:
             self.metrics.write({"event": "start", "start_step": start_step, "max_steps": s.max_steps,
                                 "world_size": world.world_size, "device": str(world.device),
