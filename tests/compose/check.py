@@ -35,6 +35,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,7 @@ import httpx
 from tests.compose import images
 from tests.compose.engine import Engine, Skip, start
 from tests.compose.stack import BatchRecorder, Stack, check_learns, check_no_batch_lost, wait_for
+from tests.support.tracking import tensorboard_scalars
 
 SKIPPED = 3
 REDIS_IMAGE = "redis:7.4-alpine"  # docker-compose.yml's; asserted by tests/compose/test_check.py
@@ -170,9 +172,6 @@ def finish(stack: Stack, recorder: BatchRecorder, timeout: float) -> dict[str, A
 def check_tracking(stack: Stack) -> dict[str, Any]:
     """What the services reported to TensorBoard (TANDEM_REPORT_TO=tensorboard, set by Stack),
     copied off the data volume and read with TensorBoard's own reader."""
-    import tempfile
-
-    from tests.support.tracking import tensorboard_scalars
 
     records = [r for r in stack.trainer_metrics() if r.get("event") == "step"]
     with tempfile.TemporaryDirectory(prefix="tandem-compose-tb-") as tmp:

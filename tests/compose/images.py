@@ -190,8 +190,9 @@ def build_gpu_steps(builder: Builder, stand_in: str = "tandem:cpu") -> list[str]
     our package installed, the CLI run. The result is tagged tandem:gpu-steps, never tandem:gpu."""
     tag = "tandem:gpu-steps"
     seconds = builder.build("tandem:gpu", tag=tag, VLLM_IMAGE=stand_in)
-    listed = builder.engine.docker("run", "--rm", "--entrypoint", "python3", tag, "pyproject_deps.py", "gpu",
-                                   "torch", "vllm").stdout.split()
+    # The list the gpu target installs (docker/Dockerfile: the gpu extra and the tracking extras).
+    listed = builder.engine.docker("run", "--rm", "--entrypoint", "python3", tag, "pyproject_deps.py",
+                                   "gpu,wandb,tensorboard", "torch", "vllm").stdout.split()
     assert listed and not any(d.startswith(("torch", "vllm")) for d in listed), listed
     builder.engine.docker("image", "rm", tag, check=False)
     return [f"gpu target's steps built on {stand_in} in {seconds:.0f} s (vllm/vllm-openai cannot be pulled "
