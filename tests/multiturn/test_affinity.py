@@ -35,17 +35,29 @@ async def test_every_turn_of_a_trajectory_goes_to_one_server_and_trajectories_sp
     assert not rollouts.pool.sessions  # released when each trajectory ended
 
 
+def stats(server) -> dict:
+    return httpx.get(server.url + "/_standin/stats").json()
+
+
+def hold(server, request: int | None) -> None:
+    """Make `server` hold each trajectory's `request`-th call before its first token (None
+    releases the held calls)."""
+    httpx.post(server.url + "/_standin/configure", json={"hold_request": request}).raise_for_status()
+
+
 async def _conversations_under_way(standins, make_rollouts):
-    """Six 4-turn trajectories over both stand-ins, once a request of one of them has reached the
-    first (the pool binding a trajectory to it is not enough: on a loaded machine the request
-    may still be on its way, and the first server would have seen nothing of it): (the pool's
-    record of the first server, the group's task)."""
+    """Six 4-turn trajectories over both stand-ins, once one of them has had its first turn on
+    the first stand-in and waits there in its second (the first holds every second call): the
+    fault then comes mid-conversation whatever the machine's load. A 'first request seen' wait
+    raced the conversations, which may all end in under a second. Returns (the pool's record of
+    the first server, the group's task)."""
     env = EchoDialogue(max_turns=4)
     first, second = standins
     rollouts = make_rollouts(env, [first.url, second.url], max_tokens=40)
-    httpx.post(first.url + "/_standin/configure", json={"reply": "x" * 40}).raise_for_status()
+    hold(first, 2)
     task = asyncio.create_task(rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=6))
-    while not await asyncio.to_thread(sessions, first):
+    while not (await asyncio.to_thread(stats, first))["held"]:
+        assert not task.done(), task.result()
         await asyncio.sleep(0.01)
     return rollouts.pool, rollouts.pool.find(first.url), task
 
@@ -59,6 +71,7 @@ async def _handed_over(task, first, second) -> None:
 async def test_a_server_leaving_mid_conversation_hands_its_trajectories_over(two_standins, make_rollouts):
     pool, leaving, task = await _conversations_under_way(two_standins, make_rollouts)
     pool.set_state(leaving, LEAVING, "removed by the test")
+    hold(two_standins[0], None)  # the held second turns end there; the third ones must go elsewhere
     await _handed_over(task, sessions(two_standins[0]), two_standins[1])
 
 
@@ -87,5 +100,6 @@ async def test_a_weight_update_mid_conversation_shows_in_the_versions(standin, m
 async def test_a_server_dying_mid_conversation_hands_its_trajectories_over(two_standins, make_rollouts):
     _, _, task = await _conversations_under_way(two_standins, make_rollouts)
     began = sessions(two_standins[0])
-    await asyncio.to_thread(two_standins[0].stop)  # its requests in flight are cut; new ones are refused
+    # Its held requests are cut when the graceful shutdown runs out; new connections are refused.
+    await asyncio.to_thread(two_standins[0].stop)
     await _handed_over(task, began, two_standins[1])
