@@ -1,6 +1,6 @@
 """`make compose-check`: docker-compose.yml's CPU stack run for real, end to end.
 
-    python -m tests.compose.check [--steps 60] [--cache ~/.cache/tandem-compose] [--keep-images]
+    python -m tests.compose.check [--steps 60] [--runs 1] [--seed S] [--cache ~/.cache/tandem-compose]
 
 Phases (each timed, then the total):
   engine     the Docker engine `docker` reaches, or a private dockerd (tests/compose/engine.py)
@@ -25,6 +25,12 @@ Phases (each timed, then the total):
              stats are there too, at the trainer's steps
   down       `docker compose down -v` leaves no container, network or volume of the project
 
+The moments of the two kills are drawn per run (--seed makes them repeatable; the seed is
+printed): the sampler is killed once the trainer has published a version drawn from an eighth
+to three eighths of --steps, Redis from a half to three quarters. `--runs N` builds the images
+once and runs the stack from `up` to `down` N times, stopping at the first failure: the fault
+drills' 30-in-a-row is `--runs 30`.
+
 Exit status 0: passed; 1: a check failed; 3: skipped (no engine can run here; says why).
 A private dockerd is stopped by its pid at the end whatever happened, and its mounts undone.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -49,6 +56,7 @@ from tests.compose.stack import BatchRecorder, Stack, check_learns, check_no_bat
 from tests.support.tracking import tensorboard_scalars
 
 SKIPPED = 3
+MIN_STEPS = 16  # room for both kills, two versions after each, and a run that learns
 REDIS_IMAGE = "redis:7.4-alpine"  # docker-compose.yml's; asserted by tests/compose/test_check.py
 
 
@@ -198,15 +206,51 @@ def down(stack: Stack) -> dict[str, Any]:
     return {"left behind": "nothing"}
 
 
+def kill_moments(rng: random.Random, steps: int) -> dict[str, int]:
+    """The published versions at which the sampler and Redis are killed: the sampler from an
+    eighth to three eighths of the run, Redis from a half to three quarters, so the two drills
+    do not overlap and each recovery has steps left to show the run going on."""
+    assert steps >= MIN_STEPS, f"--steps {steps}: the drills need at least {MIN_STEPS}"
+    return {"sampler": rng.randint(steps // 8, 3 * steps // 8), "redis": rng.randint(steps // 2, 3 * steps // 4)}
+
+
+def run_stack(stack: Stack, phases: Phases, kill_at: dict[str, int]) -> None:
+    """One run of the stack, `up` to `down`; a failed check raises, and the caller takes the stack down."""
+    print(f"  kills at versions: {kill_at}", flush=True)
+    stack.compose("down", "-v", "--remove-orphans", timeout=180)  # a previous run's leftovers
+    recorder = BatchRecorder(stack.url)
+
+    def up() -> dict[str, str]:
+        stack.compose("up", "-d", "--no-build", timeout=600)
+        recorder.start()
+        return wait_healthy(stack)
+    phases.run("up", up)
+    phases.run("endpoints", lambda: check_endpoints(stack))
+    phases.run("sampler", lambda: kill_and_recover(stack, "sampler-cpu", at_version=kill_at["sampler"]))
+    phases.run("redis", lambda: drill_redis(stack, recorder, at_version=kill_at["redis"]))
+    phases.run("finish", lambda: finish(stack, recorder, timeout=600))
+    phases.run("tracking", lambda: check_tracking(stack))
+    phases.run("down", lambda: down(stack))
+    print(f"  {phases.summary()}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="trainer steps (TANDEM_MAX_STEPS)")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tandem-compose",
                         help="debootstrap rootfs and the private daemon's data root (images, build cache)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="run the stack from up to down this many times (images built once), stopping at a failure")
+    parser.add_argument("--seed", type=int, default=None, help="draws the kill moments (default: a random seed, printed)")
     parser.add_argument("--no-gpu-steps", dest="gpu_steps", action="store_false",
                         help="skip building the gpu target's steps on the CPU image")
     args = parser.parse_args(argv)
+    if args.steps < MIN_STEPS or args.runs < 1:
+        parser.error(f"--steps must be at least {MIN_STEPS} and --runs at least 1")
     args.cache.mkdir(parents=True, exist_ok=True)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    print(f"seed {seed}: the kill moments are drawn from it", flush=True)
     phases = Phases()
     engine: Engine | None = None
     stack: Stack | None = None
@@ -229,26 +273,19 @@ def main(argv: list[str] | None = None) -> int:
                 phases.run("gpu-image", lambda: images.build_gpu_steps(builder))
         finally:
             builder.close()
-        stack = Stack(engine, args.steps)
-        stack.compose("down", "-v", "--remove-orphans", timeout=180)  # a previous run's leftovers
-        recorder = BatchRecorder(stack.url)
-
-        def up() -> dict[str, str]:
-            stack.compose("up", "-d", "--no-build", timeout=600)
-            recorder.start()
-            return wait_healthy(stack)
-        phases.run("up", up)
-        phases.run("endpoints", lambda: check_endpoints(stack))
-        phases.run("sampler", lambda: kill_and_recover(stack, "sampler-cpu", at_version=args.steps // 4))
-        phases.run("redis", lambda: drill_redis(stack, recorder, at_version=args.steps // 2))
-        phases.run("finish", lambda: finish(stack, recorder, timeout=600))
-        phases.run("tracking", lambda: check_tracking(stack))
-        phases.run("down", lambda: down(stack))
-        stack = None
-        print(f"PASSED: {phases.summary()}")
+        for run in range(1, args.runs + 1):
+            if args.runs > 1:
+                print(f"== run {run} of {args.runs}", flush=True)
+            stack = Stack(engine, args.steps)
+            if run > 1:
+                phases = Phases()
+            run_stack(stack, phases, kill_moments(rng, args.steps))
+            stack = None
+            print(f"== {run} run{'s' if run > 1 else ''} in a row passed", flush=True)
+        print(f"PASSED: {args.runs} run{'s' if args.runs > 1 else ''} in a row (seed {seed}); last: {phases.summary()}")
         return 0
     except (AssertionError, RuntimeError) as failure:
-        print(f"FAILED: {failure}")
+        print(f"FAILED (seed {seed}): {failure}")
         if stack is not None:
             print(stack.logs())
         print(phases.summary())

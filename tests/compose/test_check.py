@@ -54,6 +54,16 @@ def test_learning_is_the_reward_rising() -> None:
         check_learns(_records(20, [0.1] * 20))
 
 
+def test_the_kill_moments_vary_apart_and_leave_steps_after_them() -> None:
+    import random
+    drawn = [check.kill_moments(random.Random(seed), 60) for seed in range(200)]
+    assert all(7 <= d["sampler"] <= 22 and 30 <= d["redis"] <= 45 for d in drawn), drawn
+    assert len({d["sampler"] for d in drawn}) > 10 and len({d["redis"] for d in drawn}) > 10  # varied
+    assert check.kill_moments(random.Random(5), 60) == check.kill_moments(random.Random(5), 60)  # the seed repeats them
+    shortest = [check.kill_moments(random.Random(seed), check.MIN_STEPS) for seed in range(50)]
+    assert all(2 <= d["sampler"] and d["sampler"] + 2 <= d["redis"] <= check.MIN_STEPS - 4 for d in shortest), shortest
+
+
 def test_the_check_builds_and_stands_in_for_what_the_compose_file_names() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert compose["services"]["redis"]["image"] == check.REDIS_IMAGE
