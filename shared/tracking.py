@@ -5,8 +5,10 @@ backends. A service starts one `Reporter` before it does any work and calls
 `log(metrics, step)`; the reporter keeps the numbers (nested dicts flattened to `a/b`) and hands
 them to every chosen backend:
 
-* **wandb**: one W&B run per service process, `<run_name>-<service>`, in the group
-  `<run_name>`, so a run's trainer and sampler sit side by side. Every value is logged with
+* **wandb**: one W&B run per service, `<run_name>-<service>`, in the group `<run_name>`, so a
+  run's trainer and sampler sit side by side. A service that continues its run after a restart
+  (the trainer resuming, the sampler without --fresh) continues its W&B run too: the run's id
+  is kept in `run_dir/wandb/<instance>.run-id` (`wandb_run_id`); a fresh start gets a new one. Every value is logged with
   the key `step` as its x-axis (`define_metric`), not as W&B's own step: W&B drops a row whose
   step is below one it already has, and evals finish late, a resumed trainer logs its retrained
   steps again, and batches may be sealed out of order. WANDB_MODE=offline, WANDB_DIR,
@@ -31,9 +33,11 @@ import logging
 import math
 import os
 import queue
+import secrets
+import string
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -151,18 +155,46 @@ def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def _new_wandb_id() -> str:
+    # As W&B makes them: 8 of [a-z0-9] (its own helper is private and has moved between releases).
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def wandb_run_id(path: Path, resume: bool, new_id: Callable[[], str]) -> str:
+    """The W&B run id of a service's run: the one kept in `path` when the service continues
+    its run (`resume`) and one is kept, else a new one, written to `path` (atomically) for the
+    service's next restart."""
+    if resume:
+        try:
+            kept = path.read_text().strip()
+        except FileNotFoundError:
+            kept = ""
+        if kept:
+            return kept
+    run_id = new_id()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(run_id + "\n")
+    os.replace(partial, path)
+    return run_id
+
+
 class _Wandb:
-    def __init__(self, settings: TrackingSettings, service: str, config: dict[str, Any]):
+    def __init__(self, settings: TrackingSettings, service: str, config: dict[str, Any], resume: bool,
+                 instance: str):
         import wandb
 
         name = settings.tracking_name()
         directory = None if os.environ.get("WANDB_DIR") else Path(settings.run_dir)
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
+        run_id = wandb_run_id(Path(settings.run_dir) / "wandb" / f"{instance}.run-id", resume, _new_wandb_id)
         self.run = wandb.init(
             project=settings.wandb_project or os.environ.get("WANDB_PROJECT") or "tandem",
             group=name, name=f"{name}-{service}", job_type=service, config=config,
             dir=str(directory) if directory is not None else None,
+            # "allow": continue the run of that id if W&B has it (a restart), create it otherwise.
+            id=run_id, resume="allow",
             # Several runs may live in one process (tests, an in-process sampler); each is
             # addressed through its own object, never through wandb.log.
             reinit="create_new",
@@ -180,7 +212,10 @@ class _Wandb:
 
 
 class _TensorBoard:
-    def __init__(self, settings: TrackingSettings, service: str, config: dict[str, Any]):
+    def __init__(self, settings: TrackingSettings, service: str, config: dict[str, Any], resume: bool,
+                 instance: str):
+        # A restarted service appends to the same directory whatever `resume` says: TensorBoard
+        # shows the later points of a step written twice.
         # tensorboard's own writer and protos: torch's SummaryWriter writes the same events, but
         # the sampler does not import torch.
         from tensorboard.compat.proto.event_pb2 import Event
@@ -215,9 +250,12 @@ class Reporter:
         self._thread.start()
 
     @classmethod
-    def start(cls, settings: TrackingSettings, service: str, config: dict[str, Any] | None = None) -> Reporter | None:
+    def start(cls, settings: TrackingSettings, service: str, config: dict[str, Any] | None = None, *,
+              resume: bool = False, instance: str | None = None) -> Reporter | None:
         """A reporter to `settings.report_to` for `service` ("trainer", "sampler"), or None when
-        none is chosen. Raises SettingsError, naming the fix, when a backend cannot start; blocks
+        none is chosen. `resume`: this process continues its run (a restart), so W&B continues
+        the W&B run of `instance` (default: `service`; one name per process of the run that may
+        restart, e.g. a sampler replica's port) instead of starting a new one. Raises SettingsError, naming the fix, when a backend cannot start; blocks
         for as long as the backends take to start (W&B: a second or two), so call it off an event loop."""
         if not settings.report_to:
             return None
@@ -225,7 +263,7 @@ class Reporter:
         try:
             for name in settings.report_to:
                 try:
-                    backends[name] = _OPENERS[name](settings, service, config or {})
+                    backends[name] = _OPENERS[name](settings, service, config or {}, resume, instance or service)
                 except ImportError as exc:
                     raise SettingsError(f"report_to {name}: the {BACKENDS[name][0]} package cannot be imported "
                                         f"({exc}): {install_hint(name)}") from None

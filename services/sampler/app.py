@@ -94,8 +94,11 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         # Before anything reads or writes the run: refuses a namespace holding another run.
         await run_identity.claim(redis, keys, settings, redis_url)
         # Before the first batch: a backend that cannot start (not logged in to W&B) refuses the start.
-        reporter = await asyncio.to_thread(Reporter.start, settings, "sampler",
-                                           settings.model_dump(mode="json", exclude={"api_token", "redis_url"}))
+        # A sampler that continues the namespace's run (no --fresh) continues its W&B run; one per
+        # port, so that replicas sharing a run_dir keep theirs apart.
+        reporter = await asyncio.to_thread(
+            Reporter.start, settings, "sampler", settings.model_dump(mode="json", exclude={"api_token", "redis_url"}),
+            resume=not settings.fresh, instance=f"sampler-{settings.port}")
         store = Store(redis, keys, cache_bytes=settings.batch_cache_bytes)
         notifier = Notifier(redis_url, keys.events, link)
         # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).

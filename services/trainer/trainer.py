@@ -208,7 +208,8 @@ class Trainer:
             self.reporter = await asyncio.to_thread(
                 Reporter.start, s, "trainer",
                 {**self.public_settings, "sampler": self.config.model_dump(mode="json"),
-                 "world_size": world.world_size})
+                 "world_size": world.world_size},
+                resume=s.resume)  # a resumed run continues its W&B run, as it does trainer_metrics.jsonl
         temperature = resolve_temperature(s, self.config)
         truncation = self.config.truncation()
         max_len = s.max_completion_length or self.config.max_tokens

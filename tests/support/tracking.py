@@ -33,6 +33,7 @@ def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 @dataclass
 class OfflineRun:
     path: Path
+    run_id: str = ""
     name: str = ""
     group: str = ""
     project: str = ""
@@ -82,7 +83,8 @@ def read_wandb_run(path: Path) -> OfflineRun:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             r = record.run
-            run.name, run.group, run.project, run.job_type = r.display_name, r.run_group, r.project, r.job_type
+            run.run_id, run.name, run.group = r.run_id, r.display_name, r.run_group
+            run.project, run.job_type = r.project, r.job_type
             for item in r.config.update:
                 run.config[item.key] = json.loads(item.value_json)
         elif kind == "history":

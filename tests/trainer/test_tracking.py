@@ -11,6 +11,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ from services.trainer.entrypoint import main as trainer_main
 from services.trainer.trainer import train
 from shared.settings import SettingsError, build, load
 from shared.tracking import Reporter, TrackingSettings
+from tests.reliability.support import wait_for
 from tests.support.servers import UvicornThread, kill_embedded_redis, start_sampler_process
 from tests.support.tracking import tensorboard_scalars, wandb_runs
 
@@ -126,6 +128,10 @@ async def test_trainer_and_sampler_report_to_wandb_and_tensorboard(tiny_model_di
     # W&B (offline, under run_dir/wandb): two finished runs in one group named after the run dir.
     runs = {r.job_type: r for r in wandb_runs(run_dir / "wandb")}
     assert set(runs) == {"trainer", "sampler"}
+    # Each kept its W&B id where its restart looks for it (the sampler's by its port).
+    sampler_port = sampler.url.rsplit(":", 1)[1]
+    assert (run_dir / "wandb" / "trainer.run-id").read_text().strip() == runs["trainer"].run_id
+    assert (run_dir / "wandb" / f"sampler-{sampler_port}.run-id").read_text().strip() == runs["sampler"].run_id
     for service, run in runs.items():
         assert (run.name, run.group, run.project, run.exit_code) == (f"letters-{service}", "letters", "tandem", 0)
     trainer_run = runs["trainer"]
@@ -182,6 +188,37 @@ def test_report_to_spellings() -> None:
     assert parsed("--report-to", "none") == parsed() == []
     assert parsed("--tensorboard") == ["tensorboard"]
     assert parsed("--report-to", "wandb", "--tensorboard") == ["wandb", "tensorboard"]
+
+
+def test_a_restarted_service_continues_its_wandb_run_and_a_fresh_one_starts_another(
+        tmp_path: Path, wandb_offline: dict[str, str]) -> None:
+    settings = TrackingSettings(run_dir=tmp_path, report_to="wandb", run_name="r")
+
+    def run(steps: range, instance: str = "trainer", **start: Any) -> str:
+        """One process's life: its W&B id, as kept for its restart."""
+        reporter = Reporter.start(settings, "trainer", {"k": 1}, instance=instance, **start)
+        for step in steps:
+            reporter.log({"loss": float(step)}, step)
+        reporter.close()
+        return (tmp_path / "wandb" / f"{instance}.run-id").read_text().strip()
+
+    first = run(range(0, 3), resume=True)  # nothing kept yet: a new run
+    restarted = run(range(2, 5), resume=True)  # a restart (steps 2.. trained again): that run goes on
+    fresh = run(range(0, 2), resume=False)  # a fresh start in the same run_dir (--no-resume): a new run
+    other = run(range(0, 2), "trainer-b", resume=True)  # another instance of the service: its own run
+    assert restarted == first and len({first, fresh, other}) == 3
+
+    # Offline, W&B writes one directory per process; its transaction log may still be filling
+    # after finish() returns, so read once all four have their exit record.
+    def finished() -> list | None:
+        runs = wandb_runs(tmp_path / "wandb")
+        return runs if len(runs) == 4 and all(r.exit_code == 0 for r in runs) else None
+    runs = wait_for(finished, 30, "four finished offline W&B runs", interval=0.2)
+    steps: dict[str, list[list[int]]] = {}
+    for r in runs:
+        assert (r.name, r.group) == ("r-trainer", "r")
+        steps.setdefault(r.run_id, []).append([row["step"] for row in r.rows_with("loss")])
+    assert {k: sorted(v) for k, v in steps.items()} == {first: [[0, 1, 2], [2, 3, 4]], fresh: [[0, 1]], other: [[0, 1]]}
 
 
 def test_a_failing_backend_is_logged_and_the_others_go_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
