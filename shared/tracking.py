@@ -8,8 +8,8 @@ them to every chosen backend:
 * **wandb**: one W&B run per service, `<run_name>-<service>`, in the group `<run_name>`, so a
   run's trainer and sampler sit side by side. A service that continues its run after a restart
   (the trainer resuming, the sampler without --fresh) continues its W&B run too: the run's id
-  is kept in `run_dir/wandb/<instance>.run-id` (`wandb_run_id`); a fresh start gets a new one. Every value is logged with
-  the key `step` as its x-axis (`define_metric`), not as W&B's own step: W&B drops a row whose
+  is kept in `run_dir/wandb/<instance>.run-id` (`wandb_run_id`); a fresh start gets a new one.
+  Every value is logged with the key `step` as its x-axis (`define_metric`), not as W&B's own step: W&B drops a row whose
   step is below one it already has, and evals finish late, a resumed trainer logs its retrained
   steps again, and batches may be sealed out of order. WANDB_MODE=offline, WANDB_DIR,
   WANDB_ENTITY, WANDB_API_KEY... mean what W&B says; files go under run_dir unless WANDB_DIR is set.
@@ -255,8 +255,9 @@ class Reporter:
         """A reporter to `settings.report_to` for `service` ("trainer", "sampler"), or None when
         none is chosen. `resume`: this process continues its run (a restart), so W&B continues
         the W&B run of `instance` (default: `service`; one name per process of the run that may
-        restart, e.g. a sampler replica's port) instead of starting a new one. Raises SettingsError, naming the fix, when a backend cannot start; blocks
-        for as long as the backends take to start (W&B: a second or two), so call it off an event loop."""
+        restart, e.g. a sampler replica's port) instead of starting a new one. Raises
+        SettingsError, naming the fix, when a backend cannot start; blocks for as long as the
+        backends take to start (W&B: a second or two), so call it off an event loop."""
         if not settings.report_to:
             return None
         backends: dict[str, Any] = {}
