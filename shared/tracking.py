@@ -9,9 +9,9 @@ them to every chosen backend:
   run's trainer and sampler sit side by side. A service that continues its run after a restart
   (the trainer resuming, the sampler without --fresh) continues its W&B run too: the run's id
   is kept in `run_dir/wandb/<instance>.run-id` (`wandb_run_id`); a fresh start gets a new one.
-  Every value is logged with the key `step` as its x-axis (`define_metric`), not as W&B's own step: W&B drops a row whose
-  step is below one it already has, and evals finish late, a resumed trainer logs its retrained
-  steps again, and batches may be sealed out of order. WANDB_MODE=offline, WANDB_DIR,
+  Every value is logged with the key `step` as its x-axis (`define_metric`), not as W&B's own
+  step: W&B drops a row whose step is below one it already has, and evals finish late, a
+  resumed trainer logs its retrained steps again, and batches may be sealed out of order. WANDB_MODE=offline, WANDB_DIR,
   WANDB_ENTITY, WANDB_API_KEY... mean what W&B says; files go under run_dir unless WANDB_DIR is set.
 * **tensorboard**: event files in `<tensorboard_dir>/<service>` (default `run_dir/tensorboard`),
   one scalar per name at the given step, written without torch (the sampler has none).
