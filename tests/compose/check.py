@@ -112,12 +112,16 @@ def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float
     killer or a fatal error would end it. `docker kill` would not do: Docker counts it as a
     manual stop and ignores the restart policy (measured on Docker 20.10: status exited,
     RestartCount 0), so the service stays down until `docker compose up -d` or `docker start`."""
-    wait_for(lambda: stack.published() >= at_version, 300, f"published version {at_version}")
+    # The pid first (docker inspect takes a second or more on a loaded machine), then the version
+    # polled fast: the toy trainer publishes a version every 0.1 s, so a half-second poll and an
+    # inspect between it and the kill overshot by up to 20 versions, once past the run's end.
     before = stack.state(service)
-    version = stack.published()
     assert before["pid"] > 0, f"{service} has no process: {before}"
+    version = wait_for(lambda: (v := stack.published()) >= at_version and v, 300, f"published version {at_version}",
+                       interval=0.02)
     os.kill(before["pid"], signal.SIGKILL)
     killed = time.monotonic()
+    assert version < stack.steps, f"{service} was killed after the run's last version ({version}): not mid-run"
     wait_for(lambda: (st := stack.state(service))["started"] != before["started"] and st["status"] == "running",
              timeout, f"{service} restarted by its restart policy after docker kill")
     # At once, not after the healthcheck's next round (5 s): the trainer resumes as soon as the
@@ -125,7 +129,8 @@ def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float
     checked = when_back() if when_back else {}
     wait_for(lambda: stack.state(service)["health"] == "healthy", timeout, f"{service} healthy again")
     back = time.monotonic() - killed
-    wait_for(lambda: stack.published() >= version + 2, timeout, "the run going on after the kill")
+    going_on = min(version + 2, stack.steps)
+    wait_for(lambda: stack.published() >= going_on, timeout, f"the run going on after the kill (version {going_on})")
     return {"killed at version": version, "healthy again after s": round(back, 1),
             "restarts": stack.state(service)["restarts"], **checked}
 
