@@ -1,6 +1,6 @@
 """`make compose-check`: docker-compose.yml's CPU stack run for real, end to end.
 
-    python -m tests.compose.check [--steps 60] [--runs 1] [--seed S] [--cache ~/.cache/tandem-compose]
+    python -m tests.compose.check [--steps 100] [--runs 1] [--seed S] [--cache ~/.cache/tandem-compose]
 
 Phases (each timed, then the total):
   engine     the Docker engine `docker` reaches, or a private dockerd (tests/compose/engine.py)
@@ -104,21 +104,28 @@ def check_endpoints(stack: Stack) -> dict[str, Any]:
 
 
 def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float = 120,
-                     when_back: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+                     when_back: Callable[[], dict[str, Any]] | None = None,
+                     just_before: Callable[[], None] | None = None,
+                     known: dict[str, Any] | None = None) -> dict[str, Any]:
     """Crash `service` once the trainer has published `at_version`; wait for the restart policy
     to start it again, healthy, and for the trainer to publish two more versions.
 
     The crash is SIGKILL to the container's main process (its pid on this host), as the OOM
     killer or a fatal error would end it. `docker kill` would not do: Docker counts it as a
     manual stop and ignores the restart policy (measured on Docker 20.10: status exited,
-    RestartCount 0), so the service stays down until `docker compose up -d` or `docker start`."""
-    # The pid first (docker inspect takes a second or more on a loaded machine), then the version
-    # polled fast: the toy trainer publishes a version every 0.1 s, so a half-second poll and an
-    # inspect between it and the kill overshot by up to 20 versions, once past the run's end.
-    before = stack.state(service)
+    RestartCount 0), so the service stays down until `docker compose up -d` or `docker start`.
+
+    Nothing slow stands between the drawn version and the kill: the toy trainer publishes a
+    version every ~0.1 s, and a half-second poll, a `docker inspect` (seconds on a loaded
+    machine) and batch reads there once let the run end before the kill. So the container's
+    state is `known` (read earlier) or read before the wait, the version is polled every 20 ms,
+    and `just_before` must be quick."""
+    before = known or stack.state(service)
     assert before["pid"] > 0, f"{service} has no process: {before}"
     version = wait_for(lambda: (v := stack.published()) >= at_version and v, 300, f"published version {at_version}",
                        interval=0.02)
+    if just_before:
+        just_before()
     os.kill(before["pid"], signal.SIGKILL)
     killed = time.monotonic()
     assert version < stack.steps, f"{service} was killed after the run's last version ({version}): not mid-run"
@@ -135,16 +142,17 @@ def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float
             "restarts": stack.state(service)["restarts"], **checked}
 
 
-def drill_redis(stack: Stack, recorder: BatchRecorder, at_version: int) -> dict[str, Any]:
+def drill_redis(stack: Stack, recorder: BatchRecorder, at_version: int, known: dict[str, Any]) -> dict[str, Any]:
     """Kill Redis's process; from the moment its container runs again (before the trainer moves on and the
     sampler trims them), every batch sealed before the kill and still kept is served byte for
     byte as it was read before (the AOF, fsynced per write, kept them)."""
-    wait_for(lambda: stack.published() >= at_version, 300, f"published version {at_version}")
-    sealed = (stack.status() or {}).get("steps", {}).get("sealed_steps") or []
-    before = {step: content for step in sealed if (content := recorder.fetch(step)) is not None}
-    assert before, f"no sealed batch could be read before the kill (sealed: {sealed})"
+    before: dict[int, bytes] = {}
+
+    def snapshot() -> None:  # the batches the recorder has read so far: no request, so no delay
+        before.update(recorder.batches)
 
     def compare() -> dict[str, Any]:
+        assert before, "the recorder had read no sealed batch before the kill"
         # Polled from the moment Redis's container runs again: 503 while the sampler has not
         # reconnected, then each batch once: 200 (the same bytes) or 410 (trimmed since, allowed).
         compared, trimmed, left = 0, 0, dict(before)
@@ -167,7 +175,7 @@ def drill_redis(stack: Stack, recorder: BatchRecorder, at_version: int) -> dict[
         assert compared, f"every batch sealed before the kill was trimmed before it could be compared: {sorted(before)}"
         return {"batches compared byte for byte": f"{compared} of {len(before)} ({trimmed} trimmed since)"}
 
-    return kill_and_recover(stack, "redis", at_version, when_back=compare)
+    return kill_and_recover(stack, "redis", at_version, when_back=compare, just_before=snapshot, known=known)
 
 
 def finish(stack: Stack, recorder: BatchRecorder, timeout: float) -> dict[str, Any]:
@@ -230,9 +238,10 @@ def run_stack(stack: Stack, phases: Phases, kill_at: dict[str, int]) -> None:
         recorder.start()
         return wait_healthy(stack)
     phases.run("up", up)
+    redis = stack.state("redis")  # its pid and start, read now: stable until its kill, and slow to read
     phases.run("endpoints", lambda: check_endpoints(stack))
     phases.run("sampler", lambda: kill_and_recover(stack, "sampler-cpu", at_version=kill_at["sampler"]))
-    phases.run("redis", lambda: drill_redis(stack, recorder, at_version=kill_at["redis"]))
+    phases.run("redis", lambda: drill_redis(stack, recorder, at_version=kill_at["redis"], known=redis))
     phases.run("finish", lambda: finish(stack, recorder, timeout=600))
     phases.run("tracking", lambda: check_tracking(stack))
     phases.run("down", lambda: down(stack))
@@ -241,7 +250,7 @@ def run_stack(stack: Stack, phases: Phases, kill_at: dict[str, int]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="trainer steps (TANDEM_MAX_STEPS)")
+    parser.add_argument("--steps", type=int, default=100, help="trainer steps (TANDEM_MAX_STEPS)")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tandem-compose",
                         help="debootstrap rootfs and the private daemon's data root (images, build cache)")
     parser.add_argument("--runs", type=int, default=1,

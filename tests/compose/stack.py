@@ -121,10 +121,6 @@ class BatchRecorder(threading.Thread):
                     self.errors += 1  # the sampler or Redis is down: the drills do that
                 self.stopped.wait(0.3)
 
-    def fetch(self, step: int) -> bytes | None:
-        code, content = self.read(step)
-        return content if code == 200 else None
-
     def read(self, step: int) -> tuple[int | None, bytes]:
         """The sampler's answer for batch `step` now: (HTTP status or None when it cannot be
         reached, the body)."""
