@@ -11,13 +11,18 @@ import httpx
 import pytest
 
 from services.sampler.inference_pool import LEAVING
+from tests.support.driver import hold_second_turns, release_held_turns
 from tests.support.envs import EchoDialogue
 
 pytestmark = pytest.mark.timeout(60)
 
 
+def stats(server) -> dict:
+    return httpx.get(server.url + "/_standin/stats").json()
+
+
 def sessions(server) -> dict[str, int]:
-    return httpx.get(server.url + "/_standin/stats").json()["sessions"]
+    return stats(server)["sessions"]
 
 
 async def test_every_turn_of_a_trajectory_goes_to_one_server_and_trajectories_spread(two_standins, make_rollouts):
@@ -35,16 +40,6 @@ async def test_every_turn_of_a_trajectory_goes_to_one_server_and_trajectories_sp
     assert not rollouts.pool.sessions  # released when each trajectory ended
 
 
-def stats(server) -> dict:
-    return httpx.get(server.url + "/_standin/stats").json()
-
-
-def hold(server, request: int | None) -> None:
-    """Make `server` hold each trajectory's `request`-th call before its first token (None
-    releases the held calls)."""
-    httpx.post(server.url + "/_standin/configure", json={"hold_request": request}).raise_for_status()
-
-
 async def _conversations_under_way(standins, make_rollouts):
     """Six 4-turn trajectories over both stand-ins, once one of them has had its first turn on
     the first stand-in and waits there in its second (the first holds every second call): the
@@ -54,7 +49,7 @@ async def _conversations_under_way(standins, make_rollouts):
     env = EchoDialogue(max_turns=4)
     first, second = standins
     rollouts = make_rollouts(env, [first.url, second.url], max_tokens=40)
-    hold(first, 2)
+    hold_second_turns(first.url)
     task = asyncio.create_task(rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=6))
     while not (await asyncio.to_thread(stats, first))["held"]:
         assert not task.done(), task.result()
@@ -71,7 +66,7 @@ async def _handed_over(task, first, second) -> None:
 async def test_a_server_leaving_mid_conversation_hands_its_trajectories_over(two_standins, make_rollouts):
     pool, leaving, task = await _conversations_under_way(two_standins, make_rollouts)
     pool.set_state(leaving, LEAVING, "removed by the test")
-    hold(two_standins[0], None)  # the held second turns end there; the third ones must go elsewhere
+    release_held_turns(two_standins[0].url)  # the held second turns end there; the third ones must go elsewhere
     await _handed_over(task, sessions(two_standins[0]), two_standins[1])
 
 

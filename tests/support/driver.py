@@ -30,8 +30,13 @@ async def drive(url: str, steps: int, *, checkpoint: str | None = None, train_se
 
 def hold_second_turns(standin_url: str) -> None:
     """Make the stand-in hold each conversation's second model call before its first token,
-    until `publish_between_turns` releases them. Call it before the sampler starts."""
+    until `publish_between_turns` or `release_held_turns` releases them. Call it before the sampler starts."""
     httpx.post(f"{standin_url}/_standin/configure", json={"hold_request": 2}).raise_for_status()
+
+
+def release_held_turns(standin_url: str) -> None:
+    """Let the calls `hold_second_turns` holds go on, and hold no more."""
+    httpx.post(f"{standin_url}/_standin/configure", json={"hold_request": None}).raise_for_status()
 
 
 async def publish_between_turns(http: httpx.AsyncClient, standin_url: str, timeout: float,
