@@ -37,7 +37,7 @@ import secrets
 import string
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +160,7 @@ def _new_wandb_id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
-def wandb_run_id(path: Path, resume: bool, new_id: Callable[[], str]) -> str:
+def wandb_run_id(path: Path, resume: bool) -> str:
     """The W&B run id of a service's run: the one kept in `path` when the service continues
     its run (`resume`) and one is kept, else a new one, written to `path` (atomically) for the
     service's next restart."""
@@ -171,7 +171,7 @@ def wandb_run_id(path: Path, resume: bool, new_id: Callable[[], str]) -> str:
             kept = ""
         if kept:
             return kept
-    run_id = new_id()
+    run_id = _new_wandb_id()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(run_id + "\n")
@@ -188,7 +188,7 @@ class _Wandb:
         directory = None if os.environ.get("WANDB_DIR") else Path(settings.run_dir)
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
-        run_id = wandb_run_id(Path(settings.run_dir) / "wandb" / f"{instance}.run-id", resume, _new_wandb_id)
+        run_id = wandb_run_id(Path(settings.run_dir) / "wandb" / f"{instance}.run-id", resume)
         self.run = wandb.init(
             project=settings.wandb_project or os.environ.get("WANDB_PROJECT") or "tandem",
             group=name, name=f"{name}-{service}", job_type=service, config=config,
