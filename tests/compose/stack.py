@@ -67,9 +67,7 @@ class Stack:
 
     def logs(self, tail: int = 40) -> str:
         try:
-            result = subprocess.run([*compose_command(), "-p", PROJECT, "--profile", "cpu", "logs", "--no-color",
-                                     "--tail", str(tail)], cwd=REPO, env=self.env, capture_output=True, text=True,
-                                    timeout=60)
+            result = self.compose("logs", "--no-color", "--tail", str(tail), timeout=60, check=False)
             return "compose logs:\n" + result.stdout[-8000:]
         except Exception as exc:  # noqa: BLE001 - diagnostics only
             return f"(no logs: {exc!r})"
