@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BeforeValidator, JsonValue, ValidationError
+from pydantic import BeforeValidator, Field, JsonValue, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from shared import token_guard
 
 ENV_PREFIX = "TANDEM_"
 
@@ -98,6 +100,23 @@ class TandemSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _TomlSource(settings_cls))
+
+
+class GuardedSettings(TandemSettings):
+    """Settings of a service that listens for the run (the sampler, the inference server): the
+    run's token, and the start-up refusal to listen beyond loopback without one
+    (shared/token_guard.py)."""
+
+    api_token: str | None = Field(
+        default=None, description="the run's token: every route but /health needs 'Authorization: Bearer <token>'"
+    )
+    insecure_no_token: bool = Field(
+        default=False, description="listen beyond loopback without api_token, open to anyone who reaches the port"
+    )
+
+    def listen_refusal(self, service: str) -> str | None:
+        """Why this service must not start as configured (exit 2), or None."""
+        return token_guard.refusal(service, self.host, self.api_token, self.insecure_no_token)
 
 
 S = TypeVar("S", bound=TandemSettings)

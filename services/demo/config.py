@@ -52,6 +52,9 @@ class DemoSettings(TrackingSettings):
     run_dir: Path = Field(default=Path("runs/demo"), description="model, logs, checkpoints, summary.json")
     port: int = Field(default=0, ge=0, le=65535, description="the sampler's (and dashboard's) port; 0 = a free port")
     inference_port: int = Field(default=0, ge=0, le=65535, description="the inference server's port; 0 = a free port")
+    api_token: str | None = Field(
+        default=None, description="the run's token, for every service the demo starts (TANDEM_API_TOKEN); unset = "
+        "a fresh random one each run")
     backend: Literal["cpu", "vllm"] = Field(
         default="cpu", description="inference server: cpu = Tandem's CPU server; vllm = real vLLM from .venv-vllm "
         "(`make vllm`, docs/vllm.md)")

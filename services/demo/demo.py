@@ -9,12 +9,14 @@
    `run_dir/redis`) and, once both answer /health, the trainer. Ports are free ports
    unless given. The batch shape is derived once here, so the trainer's
    `per_device_batch_size * grad_accum_steps` always equals the sampler's
-   `prompts_per_step * num_generations`. A random API token protects the sampler's
-   mutating endpoints; it travels in the children's environment, not on command lines.
+   `prompts_per_step * num_generations`. One token closes the run (every route of the
+   sampler and the inference server but /health): TANDEM_API_TOKEN when set, else a random
+   one; it travels in the children's environment, not on command lines.
    With `report_to`, the sampler and the trainer both get it, with one run name and one
    TensorBoard directory (`run_dir/tensorboard` unless given; docs/tracking.md).
 3. Shows progress from `run_dir/trainer_metrics.jsonl` (a live bar on a terminal, plain
-   lines otherwise) and prints the dashboard URL, the sampler's `GET /`.
+   lines otherwise) and prints the dashboard URL, the sampler's `GET /`, with the token (the
+   page keeps it in a cookie).
 4. When the trainer exits 0: reads the served weight version from the inference server's
    `/weight_info`, stops the sampler and the inference server (SIGTERM to their pids),
    makes sure the embedded redis-server is gone (pid from `run_dir/redis/server.json`),
@@ -47,6 +49,7 @@ import httpx
 
 from services.demo.config import DemoSettings
 from services.demo.processes import Child, ChildDied, free_port, pid_alive, stop_pid, wait_healthy
+from shared.token_guard import bearer_headers, dashboard_url
 
 MARKER = ".tandem-demo"
 SERVED_MODEL_NAME = "demo"
@@ -208,6 +211,7 @@ class Demo:
         self.run_dir = Path(settings.run_dir).resolve()
         self.children: dict[str, Child] = {}
         self.redis_pid: int | None = None
+        self.token: str | None = None  # the run's, once run() has chosen it
         self.hurry = False  # a second signal during shutdown: SIGKILL instead of waiting
         connect_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
         self.inference_port = settings.inference_port or free_port()
@@ -321,7 +325,10 @@ class Demo:
         self.say(f"tandem demo: run_dir {self.run_dir} (logs in {self.run_dir / 'logs'})")
         if s.model and not (Path(s.model) / "config.json").is_file():
             raise DemoError(f"--model {s.model} is not a Hugging Face model directory (no config.json)")
-        token = secrets.token_urlsafe(16)
+        # The run's token: the user's (TANDEM_API_TOKEN) or a fresh one. Every child gets it in
+        # its environment, never on a command line, and every server it starts is closed with it.
+        token = s.api_token or secrets.token_urlsafe(16)
+        self.token = token
         threads = s.torch_threads
         try:
             sampler = self._start("sampler", _tandem(
@@ -347,7 +354,7 @@ class Demo:
                 backend=s.backend, torch_threads=threads if s.backend == "cpu" else None,
                 # A LoRA run's versions are adapters: the server must load them at run time.
                 enable_lora=True if s.lora_rank else None, max_lora_rank=max(16, s.lora_rank) if s.lora_rank else None,
-            ), _child_env(threads))
+            ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
             trainer = self._start("trainer", self._trainer_argv(model_dir),
                                   _child_env(threads, {"TANDEM_API_TOKEN": token}))
             # The three start together: their start-up is mostly imports, and the trainer's
@@ -361,7 +368,7 @@ class Demo:
             self.say(f"training: {s.steps} steps of {s.prompts_per_step} prompts x "
                      f"{s.num_generations} generations, max_staleness {s.max_staleness}"
                      f"{' (on-policy)' if s.max_staleness == 0 else ''}, inference: {s.backend}")
-            self.say(f"dashboard: {self.sampler_url}/")
+            self.say(f"dashboard: {dashboard_url(self.sampler_url, token)}")
             startup_seconds = time.monotonic() - started
 
             metrics = MetricsTail(self.trainer_dir / "trainer_metrics.jsonl")
@@ -401,10 +408,9 @@ class Demo:
         self._print_summary(summary)
         return summary
 
-    @staticmethod
-    def _get_json(url: str) -> dict[str, Any] | None:
+    def _get_json(self, url: str) -> dict[str, Any] | None:
         try:
-            response = httpx.get(url, timeout=10)
+            response = httpx.get(url, timeout=10, headers=bearer_headers(self.token))
             return response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None

@@ -12,10 +12,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from shared.settings import TandemSettings
+from shared.settings import GuardedSettings
 
 
-class InferenceSettings(TandemSettings):
+class InferenceSettings(GuardedSettings):
     """An inference server speaking vLLM's HTTP API: the CPU server or `vllm serve`."""
 
     section: ClassVar[str] = "inference"

@@ -22,6 +22,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except SettingsError as exc:
         print(f"{prog or 'tandem inference'}: {exc}", file=sys.stderr)
         return 2
+    refused = settings.listen_refusal("the inference server")
+    if refused:
+        print(f"{prog or 'tandem inference'}: {refused}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,

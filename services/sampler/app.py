@@ -60,6 +60,7 @@ from services.sampler.vf.sessions import Sessions
 from services.sampler.weight_sync import WeightSync
 from shared.http_client import HttpClient
 from shared.settings import SettingsError
+from shared.token_guard import TokenGuard, bearer_headers, dashboard_url
 from shared.tracking import Reporter
 
 log = logging.getLogger("tandem.sampler")
@@ -83,8 +84,9 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                               retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
     # Room for every request in flight plus the weight-sync and health-check calls (servers
     # can join at run time, hence the margin).
+    # The run's token goes with every call to an inference server: they take the same one.
     http = HttpClient(max_connections=settings.max_concurrency + 2 * len(settings.inference_urls) + 64,
-                      timeout=settings.request_timeout)
+                      timeout=settings.request_timeout, headers=bearer_headers(settings.api_token))
     link = RedisLink(redis, redis_url)
     supervisor = Supervisor(link)
     try:
@@ -203,6 +205,11 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         await eval_jobs.resume_unfinished()
         log.info("sampler ready: env %s, strategy %s (max_staleness %s), %d inference server(s), redis %s",
                  env.name, strategy.name, settings.max_staleness, len(pool.servers), "embedded" if embedded else "external")
+        # As Jupyter does: the link a person opens carries the token, and the page keeps it.
+        log.info("dashboard: %s", dashboard_url(settings.self_url, settings.api_token))
+        if not settings.api_token:
+            log.warning("no api_token: every local user of this machine can read and steer the run "
+                        "(set TANDEM_API_TOKEN to close it)")
         if embedded is not None:
             supervisor.spawn("embedded redis watchdog", functools.partial(watch_embedded, embedded))
         install_task_dump()
@@ -263,4 +270,13 @@ def create_app(settings: SamplerSettings, env: Environment | None = None, strate
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
     app.add_middleware(HttpMetricsMiddleware)
     guards.install(app, settings.max_body_bytes)
+    # Outermost: nothing runs for a request without the run's token (docs/operations.md, Security).
+    app.add_middleware(TokenGuard, token=settings.api_token, open_paths=open_paths(settings),
+                       browser_paths=dashboard.BROWSER_PATHS, service="the sampler")
     return app
+
+
+def open_paths(settings: SamplerSettings) -> dict[str, str | None]:
+    """The routes answered without the run's token: the health check, and Prometheus's scrape
+    unless it has a token of its own."""
+    return {"/health": None, "/metrics": settings.metrics_token}

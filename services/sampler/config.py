@@ -8,7 +8,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from shared import contract
 from shared.adapters import DEFAULT_ADAPTER_NAME
-from shared.settings import CommaList, EnvArgs, json_if_str
+from shared.settings import CommaList, EnvArgs, GuardedSettings, json_if_str
 from shared.tracking import TrackingSettings
 
 
@@ -28,7 +28,7 @@ class CurriculumStage(BaseModel):
         return self
 
 
-class SamplerSettings(TrackingSettings):
+class SamplerSettings(TrackingSettings, GuardedSettings):
     """The sampler: generates, scores and seals batches; drives weight sync."""
 
     section: ClassVar[str] = "sampler"
@@ -100,7 +100,8 @@ class SamplerSettings(TrackingSettings):
     advantage: Literal["grpo", "no_std", "rloo"] = Field(
         default="grpo", description="grpo: (r-mean)/std; no_std: r-mean (Dr. GRPO); rloo: leave-one-out"
     )
-    api_token: str | None = Field(default=None, description="bearer token for mutating endpoints")
+    metrics_token: str | None = Field(
+        default=None, description="a token of its own for GET /metrics (Prometheus); unset = /metrics is open")
     keep_batches: int = Field(default=8, ge=1, description="sealed batches kept behind the published version")
     batch_chunk_bytes: int = Field(
         default=4 << 20, ge=64 << 10, le=256 << 20,

@@ -1,11 +1,15 @@
-"""FastAPI dependencies: the sampler state and bearer-token auth for mutating endpoints."""
+"""FastAPI dependencies: the sampler state.
+
+The run token is checked before any route runs, by the app's TokenGuard (shared/token_guard.py,
+installed in app.py): every route but /health (and /metrics, unless `metrics_token` is set) is
+guarded, so a route added later needs nothing here to be closed.
+"""
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, Request
 
 from services.sampler.state import SamplerState
 
@@ -15,21 +19,3 @@ def get_state(request: Request) -> SamplerState:
 
 
 State = Annotated[SamplerState, Depends(get_state)]
-
-
-def require_token(request: Request, state: State) -> None:
-    """When `api_token` is set, mutating endpoints need `Authorization: Bearer <token>`."""
-    token = state.settings.api_token
-    if not token:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            detail="this endpoint needs 'Authorization: Bearer <api_token>' with the sampler's api_token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
-Authorized = Depends(require_token)

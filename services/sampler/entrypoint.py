@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
     except SettingsError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    refused = settings.listen_refusal("the sampler")
+    if refused:
+        print(f"{prog}: {refused}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.log_level != "debug":
         # A line per HTTP request and per verifiers rollout (hundreds a second in a verifiers

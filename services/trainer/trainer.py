@@ -198,8 +198,10 @@ class Trainer:
         self.world = world = World(s)
         self.client = self._client or preflight.sampler_client(s)  # speaks while it waits, for retry_for
 
+        # Before the model loads, so a wrong token costs a second; and before GET /status, which
+        # the token guards too.
+        await preflight.check_token(self.client, s)
         self.config = accept_sampler_config(await self.client.status(), s, world.world_size)
-        await preflight.check_token(self.client, s)  # before the model loads: a wrong token costs a second
         preflight.check_model(s.model)
         # What the metrics' start record, checkpoints and the tracking run's config show of the settings.
         self.public_settings = s.model_dump(mode="json", exclude={"api_token"})

@@ -112,10 +112,11 @@ class TandemGRPOTrainer(GRPOTrainer):
         check_report_to(args.report_to)  # a missing W&B / TensorBoard named now, not after the model loads
         link = SamplerLink(sampler_url, api_token=api_token, poll_timeout=poll_timeout, batch_timeout=batch_timeout)
         try:
-            # Before any model is loaded: a disagreement costs a second, not a model load.
+            # Before any model is loaded: a disagreement costs a second, not a model load. The
+            # token first: GET /status needs it too.
+            link.check_token()
             self.sampler_config = SamplerConfig.from_status(link.status())
             check_grpo_config(args, self.sampler_config, args.world_size)
-            link.check_token()
         except BaseException:
             link.close()
             raise

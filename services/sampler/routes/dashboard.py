@@ -23,6 +23,10 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 
 router = APIRouter(tags=["dashboard"])
 
+# The pages a person opens in a browser: `/?token=...` (the URL the sampler prints) keeps the
+# token in a cookie, and a browser without it is shown how to get in (shared/token_guard.py).
+BROWSER_PATHS = ("/",)
+
 
 @router.get("/", include_in_schema=False)
 async def index() -> FileResponse:

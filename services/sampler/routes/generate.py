@@ -9,9 +9,9 @@ every token, written down for the trajectory's sample (vf/sessions.py). The answ
 vLLM's shape, with each logprob entry also carrying the `token: "token_id:N"` string the
 `renderers` package checks, and never a -9999.0 sentinel (completions.parse_generate).
 
-Not streamed (`stream: true` is a 400): the trajectory needs the whole answer anyway. It costs
-compute, so with `api_token` set it takes the token like every mutating endpoint (the
-verifiers environments of this sampler send it).
+Not streamed (`stream: true` is a 400): the trajectory needs the whole answer anyway. Like
+every route but /health, it takes the run's token when one is set (the verifiers environments
+of this sampler send it).
 
 GET /v1/models answers the served model's card (`id`, `max_model_len`, `root`) from the first
 server, so a client can check a prompt's length before sending it (the `renderers` client
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from services.sampler.completions import parse_generate
-from services.sampler.deps import Authorized, State
+from services.sampler.deps import State
 from services.sampler.inference_pool import InferenceRequestError, InferenceUnavailable
 from services.sampler.rollout import derive_seed
 from services.sampler.vf.sessions import Call
@@ -69,7 +69,7 @@ async def models(state: State) -> Any:
     return {"object": "list", "data": [card]}
 
 
-@router.post("/inference/v1/generate", dependencies=[Authorized])
+@router.post("/inference/v1/generate")
 async def generate(request: Request, state: State) -> Any:
     try:
         body = await request.json()

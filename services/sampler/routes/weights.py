@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, status
 
-from services.sampler.deps import Authorized, State
+from services.sampler.deps import State
 from services.sampler.inference_pool import DOWN, JOINING, LEAVING
 from services.sampler.state import SamplerState
 from shared.wire import ServerVersion, WeightsVersion, WeightsVersionRequest
@@ -33,7 +33,6 @@ async def get_weights_version(state: State) -> WeightsVersion:
 @router.post(
     "/weights_version",
     response_model=WeightsVersion,
-    dependencies=[Authorized],
     responses={409: {"description": "lower than the published version"},
                422: {"description": "the inference servers refused the checkpoint, or none computes the "
                           "probe's logprobs"},
