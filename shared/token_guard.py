@@ -26,7 +26,7 @@ import json
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, quote, unquote, urlencode
 
 TOKEN_ENV = "TANDEM_API_TOKEN"
 OPT_OUT_FLAG = "--insecure-no-token"
@@ -85,7 +85,7 @@ def _cookie(headers: Iterable[tuple[bytes, bytes]], name: str) -> str | None:
             for part in value.decode("latin-1").split(";"):
                 key, _, val = part.strip().partition("=")
                 if key == name:
-                    return val
+                    return unquote(val)
     return None
 
 
@@ -187,7 +187,7 @@ class TokenGuard:
         # The token leaves the address bar (and the history) at once; the cookie carries it on.
         rest = urlencode(query, doseq=True)
         location = scope.get("root_path", "") + scope.get("path", "/") + (f"?{rest}" if rest else "")
-        cookie = (f"{self._cookie_name(scope)}={given}; Path=/; HttpOnly; SameSite=Strict")
+        cookie = f"{self._cookie_name(scope)}={quote(given, safe='')}; Path=/; HttpOnly; SameSite=Strict"
         await send({"type": "http.response.start", "status": 303,
                     "headers": [(b"location", location.encode("latin-1")), (b"set-cookie", cookie.encode("latin-1")),
                                 (b"cache-control", b"no-store"), (b"content-length", b"0")]})
