@@ -4,8 +4,10 @@ The static part reads the compose file with PyYAML (which resolves the `<<` merg
 the file uses, as Compose does) and checks the structure docs/docker.md promises: services
 per profile, healthchecks behind every `service_healthy`, the vLLM flags of
 docs/inference-api.md, GPU reservations, the checkpoint volume shared at the same path, the
-batch shape, and `${VAR:?}` for the API token. The second part runs `docker compose config`
-(or `docker-compose config`) when such a command is installed, and is skipped otherwise.
+batch shape, `${VAR:?}` for the API token, and nothing open on the host unless asked (no
+inference port published, the sampler's on 127.0.0.1 unless TANDEM_BIND, vLLM guarded by the
+mounted shared/token_guard.py). The second part runs `docker compose config` (or
+`docker-compose config`) when such a command is installed, and is skipped otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,8 +163,75 @@ def test_urls_point_at_the_right_stack(compose: dict) -> None:
 
 def test_the_api_token_is_a_required_variable(compose: dict) -> None:
     required = re.compile(r"^\$\{TANDEM_API_TOKEN:\?.+\}$")
-    for name in ("sampler", "trainer", "sampler-cpu", "trainer-cpu"):
+    for name in ("sampler", "trainer", "sampler-cpu", "trainer-cpu", "inference", "inference-cpu"):
         assert required.match(services(compose)[name]["environment"]["TANDEM_API_TOKEN"]), name
+    # vLLM's own key (its /v1 routes) is the same token.
+    assert required.match(services(compose)["inference"]["environment"]["VLLM_API_KEY"])
+
+
+# -- nothing open on the host unless asked ------------------------------------------------
+
+SAMPLER_PORTS = ["${TANDEM_BIND:-127.0.0.1}:${TANDEM_SAMPLER_PORT:-8100}:8100"]
+GUARD_MOUNT = "./shared/token_guard.py:/tandem/tandem_token_guard.py:ro"
+
+
+def test_only_the_sampler_publishes_a_port_and_on_loopback_by_default(compose: dict) -> None:
+    for name, spec in services(compose).items():
+        if name in ("sampler", "sampler-cpu"):
+            assert spec["ports"] == SAMPLER_PORTS, name
+        else:
+            # The inference servers above all: only the sampler talks to them, over the compose network.
+            assert "ports" not in spec, f"{name} publishes {spec['ports']}"
+
+
+def test_vllm_loads_the_token_guard_from_the_mounted_file(compose: dict) -> None:
+    inference = services(compose)["inference"]
+    command = " ".join(inference["command"])
+    assert "--middleware tandem_token_guard.VllmTokenGuard" in command
+    assert GUARD_MOUNT in inference["volumes"]
+    assert inference["environment"]["PYTHONPATH"] == "/tandem"
+    source = GUARD_MOUNT.split(":")[0]
+    assert (REPO / source).is_file(), source
+
+
+def test_the_mounted_guard_runs_alone_in_a_bare_interpreter(tmp_path: Path) -> None:
+    """The official vLLM image has no Tandem code: the mounted file, imported under its
+    mounted name with nothing but the standard library (-S: no site-packages), builds with
+    the app alone from TANDEM_API_TOKEN, keeps /health (the healthcheck's) open and closes
+    the dev-mode routes; without the token it refuses to build."""
+    (tmp_path / "tandem_token_guard.py").write_text((REPO / "shared" / "token_guard.py").read_text())
+    script = f"""
+import asyncio, sys
+sys.path.insert(0, {str(tmp_path)!r})
+from tandem_token_guard import VllmTokenGuard
+
+async def app(scope, receive, send):
+    await send({{"type": "http.response.start", "status": 200, "headers": []}})
+    await send({{"type": "http.response.body", "body": b""}})
+
+async def status(guard, path, headers=()):
+    sent = []
+    async def send(message):
+        sent.append(message)
+    async def receive():
+        return {{"type": "http.request", "body": b""}}
+    scope = {{"type": "http", "method": "POST", "path": path, "headers": list(headers), "server": ("x", 8000)}}
+    await guard(scope, receive, send)
+    return sent[0]["status"]
+
+guard = VllmTokenGuard(app)
+print(asyncio.run(status(guard, "/health")), asyncio.run(status(guard, "/pause")),
+      asyncio.run(status(guard, "/pause", [(b"authorization", b"Bearer t0ken")])))
+"""
+    env = {"PATH": os.environ.get("PATH", ""), "TANDEM_API_TOKEN": "t0ken"}
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["200", "401", "200"]
+    del env["TANDEM_API_TOKEN"]
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert run.returncode != 0 and "TANDEM_API_TOKEN" in run.stderr
 
 
 def test_our_images_build_from_docker_dockerfile_targets(compose: dict) -> None:
@@ -210,10 +280,12 @@ needs_compose = pytest.mark.skipif(
 )
 
 
-def run_config(*args: str, token: str | None = "t0ken") -> subprocess.CompletedProcess:
+def run_config(*args: str, token: str | None = "t0ken",
+               extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
     if token is not None:
         env["TANDEM_API_TOKEN"] = token
+    env.update(extra or {})
     return subprocess.run([*COMPOSE_CMD, *args, "config"], check=False, cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
 
@@ -226,6 +298,37 @@ def test_compose_config_accepts_the_file(profile: list[str]) -> None:
     rendered = yaml.safe_load(result.stdout)
     assert rendered["services"]["sampler-cpu"]["environment"]["TANDEM_API_TOKEN"] == "t0ken" or (
         "sampler-cpu" not in rendered["services"])
+
+
+def published(service: dict) -> list[tuple[str, str, str]]:
+    """(host ip, host port, container port) of each published port, from `config`'s output:
+    the short form of docker-compose 1.x ("127.0.0.1:8100:8100/tcp") or the long form of
+    `docker compose` v2 (host_ip, published, target)."""
+    out = []
+    for entry in service.get("ports", []):
+        if isinstance(entry, dict):
+            out.append((str(entry.get("host_ip", "")), str(entry["published"]), str(entry["target"])))
+        else:
+            host_ip, host_port, target = str(entry).split("/")[0].rsplit(":", 2)
+            out.append((host_ip, host_port, target))
+    return out
+
+
+@needs_compose
+@pytest.mark.parametrize("profile,sampler,inference", [("cpu", "sampler-cpu", "inference-cpu"),
+                                                       ("gpu", "sampler", "inference")])
+@pytest.mark.parametrize("bind", [None, "0.0.0.0"])
+def test_compose_config_publishes_the_sampler_alone_on_loopback_unless_bound(
+        profile: str, sampler: str, inference: str, bind: str | None) -> None:
+    extra = {"TANDEM_SAMPLER_PORT": "9100", "TANDEM_INFERENCE_PORT": "9000"}  # the latter: read no more
+    if bind:
+        extra["TANDEM_BIND"] = bind
+    result = run_config("--profile", profile, extra=extra)
+    assert result.returncode == 0, result.stderr
+    rendered = yaml.safe_load(result.stdout)["services"]
+    assert published(rendered[sampler]) == [(bind or "127.0.0.1", "9100", "8100")]
+    assert published(rendered[inference]) == []
+    assert rendered[inference]["environment"]["TANDEM_API_TOKEN"] == "t0ken"
 
 
 @needs_compose
