@@ -11,7 +11,9 @@ import pytest
 
 from services.inference.config import InferenceSettings
 from services.inference.vllm_ext import EXTENSION_CLS
-from services.inference.vllm_launcher import REPO_ROOT, VllmInstall, VllmNotFound, build_command, detect, run
+from services.inference.vllm_launcher import (
+    GUARD_CLS, REPO_ROOT, VllmInstall, VllmNotFound, build_command, detect, run,
+)
 from shared.settings import SettingsError, load
 
 GPU = VllmInstall(python="/opt/venv/bin/python", distribution="vllm", version="0.33.0", cpu=False)
@@ -84,6 +86,44 @@ def test_cpu_command_defaults(tmp_path: Path, monkeypatch) -> None:
     # A hub id: nothing to read, vLLM decides dtype and batch size.
     argv, _ = build_command(InferenceSettings(model="Qwen/Qwen3-0.6B", backend="vllm"), CPU)
     assert _flag(argv, "--dtype") == "auto" and "--max-num-batched-tokens" not in argv
+
+
+@pytest.mark.parametrize("install", [CPU, GPU], ids=["cpu", "gpu"])
+def test_a_token_closes_vllm_through_its_key_and_the_guard_and_stays_off_the_command_line(
+        monkeypatch, install: VllmInstall) -> None:
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    token = "s3cret-run-token"
+    argv, env = build_command(InferenceSettings(model="m", backend="vllm", api_token=token), install)
+    # vLLM's own key guards /v1, /v2, /inference and /cohere; the guard every other route but /health.
+    assert env["VLLM_API_KEY"] == token and env["TANDEM_API_TOKEN"] == token
+    assert _flag(argv, "--middleware") == GUARD_CLS == "shared.token_guard.VllmTokenGuard"
+    # vLLM imports the guard by name: the repository root on its path, once, before the caller's.
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
+    # `ps` shows the command line to every local user: the token is only in the environment.
+    assert not [a for a in argv if token in a], argv
+    assert "--api-key" not in argv
+
+    argv, env = build_command(InferenceSettings(model="m", backend="vllm"), install)
+    assert "--middleware" not in argv and GUARD_CLS not in argv
+    assert "VLLM_API_KEY" not in env and "TANDEM_API_TOKEN" not in env
+    if not install.cpu:  # the GPU build imports nothing of the repository's without a token
+        assert env["PYTHONPATH"] == "/elsewhere"
+
+
+def test_the_token_guard_imports_with_the_standard_library_only() -> None:
+    """vLLM loads shared/token_guard.py through --middleware in its own interpreter, which has
+    none of Tandem's dependencies. The file alone (the package's __init__ imports the wire
+    types, which vLLM's interpreter happens to be able to import)."""
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('token_guard', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "heavy = {'pydantic', 'numpy', 'fastapi', 'starlette', 'httpx', 'shared', 'services'} & set(sys.modules); "
+            "assert not heavy, heavy; print(m.VllmTokenGuard.__name__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(REPO_ROOT / "shared" / "token_guard.py")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "VllmTokenGuard"
 
 
 def _fake_site(tmp_path: Path, name: str, version: str) -> Path:
