@@ -4,9 +4,12 @@
     tandem status --url http://127.0.0.1:8100 --watch 2  # refresh every 2 s until Ctrl-C
     tandem status --json                                  # the raw JSON, for scripts
 
-The URL defaults to $TANDEM_SAMPLER_URL, else http://127.0.0.1:8100. Exit status: 0 on
-success, 1 when the sampler cannot be reached or answers an error (the message says
-which). Only httpx and rich are imported: no torch, no FastAPI.
+The URL defaults to $TANDEM_SAMPLER_URL, else http://127.0.0.1:8100. GET /status needs the
+run's token (every sampler route but /health and /metrics does): `--api-token`, default
+$TANDEM_API_TOKEN, sent as `Authorization: Bearer <token>`. Exit status: 0 on success, 2 when
+the sampler refuses the token (none given, or not the run's: one line says how to pass it), 1
+when it cannot be reached or answers another error (the message says which). httpx, rich and
+shared.token_guard are imported: no torch, no FastAPI.
 """
 
 from __future__ import annotations
@@ -24,13 +27,22 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from shared.token_guard import TOKEN_ENV, bearer_headers
+
 DEFAULT_URL = "http://127.0.0.1:8100"
 
 
-def fetch(url: str, timeout: float) -> dict[str, Any]:
-    response = httpx.get(url.rstrip("/") + "/status", timeout=timeout)
+def fetch(url: str, timeout: float, api_token: str | None = None) -> dict[str, Any]:
+    response = httpx.get(url.rstrip("/") + "/status", timeout=timeout, headers=bearer_headers(api_token))
     response.raise_for_status()
     return response.json()
+
+
+def refused(prog: str, url: str, api_token: str | None) -> str:
+    """The one line for a 401: the run's token is missing or is another run's."""
+    what = "refuses the token given" if api_token else "needs the run's token"
+    return (f"{prog}: the sampler at {url} {what}: pass the run's token with --api-token or {TOKEN_ENV} "
+            f"(the one the sampler was started with)")
 
 
 def _f(value: Any, digits: int = 2) -> str:
@@ -124,12 +136,14 @@ def main(argv: list[str] | None = None, prog: str = "tandem status") -> int:
     parser.add_argument("--count", type=int, default=None, help="with --watch: stop after this many refreshes")
     parser.add_argument("--json", action="store_true", help="print the raw JSON instead")
     parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds")
+    parser.add_argument("--api-token", default=os.environ.get(TOKEN_ENV) or None,
+                        help=f"the run's token, sent as 'Authorization: Bearer <token>' (default: ${TOKEN_ENV})")
     args = parser.parse_args(argv)
     console = Console()
     err = Console(stderr=True)
 
     def snapshot() -> Any:
-        status = fetch(args.url, args.timeout)
+        status = fetch(args.url, args.timeout, args.api_token)
         return status if args.json else render(status, args.url)
 
     try:
@@ -152,6 +166,10 @@ def main(argv: list[str] | None = None, prog: str = "tandem status") -> int:
                     time.sleep(max(args.watch, 0.1))
         return 0
     except httpx.HTTPStatusError as exc:
+        if exc.response.status_code == 401:
+            # One plain line (no rich markup, no folding): the fix is to pass the token.
+            print(refused(prog, args.url, args.api_token), file=sys.stderr)
+            return 2
         err.print(f"{prog}: {args.url}/status answered {exc.response.status_code}: {exc.response.text[:300]}")
     except httpx.HTTPError as exc:
         err.print(f"{prog}: cannot reach the sampler at {args.url}: {type(exc).__name__}: {exc}")

@@ -3,6 +3,7 @@ derivation (training per step from version publish times) is right."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,9 +15,14 @@ from tests.observability.support import run_eval, train_steps
 from tests.support.servers import REPO
 
 
-def tandem(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    # A wide terminal so rich does not fold the URLs; no TANDEM_SAMPLER_URL from the caller.
-    env = {k: v for k, v in os.environ.items() if k != "TANDEM_SAMPLER_URL"} | {"COLUMNS": "160"}
+TOKEN = "status-run-token"
+
+
+def tandem(*args: str, timeout: float = 30, env_token: str | None = None) -> subprocess.CompletedProcess:
+    # A wide terminal so rich does not fold the URLs; no TANDEM_SAMPLER_URL or TANDEM_API_TOKEN
+    # from the caller, the token in the environment only when `env_token` is given.
+    env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_SAMPLER_URL", "TANDEM_API_TOKEN")}
+    env |= {"COLUMNS": "160"} | ({"TANDEM_API_TOKEN": env_token} if env_token else {})
     return subprocess.run([sys.executable, "-m", "services.cli", "status", *args], check=False, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -53,6 +59,44 @@ def test_status_json_and_tandem_status_output(make_sampler, standin):
 
     raw = tandem("--url", sampler.url, "--json")
     assert raw.returncode == 0 and '"published": 2' in raw.stdout
+
+
+def test_tandem_status_sends_the_runs_token_and_says_how_to_pass_it(make_sampler):
+    """A sampler started with a token answers GET /status to that token only: `tandem status`
+    sends --api-token (or TANDEM_API_TOKEN), and without it or with another says, in one line,
+    how to pass it (exit 2, no traceback)."""
+    sampler = make_sampler(api_token=TOKEN)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    batch = httpx.get(f"{sampler.url}/batch", params={"step": 0, "timeout": 30}, headers=auth, timeout=40)
+    assert batch.status_code == 200, batch.text[:300]
+    published = httpx.post(f"{sampler.url}/weights_version", json={"version": 1, "checkpoint_path": None},
+                           headers=auth, timeout=30)
+    assert published.status_code == 200, published.text
+    assert httpx.get(f"{sampler.url}/status", timeout=10).status_code == 401  # the sampler is closed
+
+    for args, env_token, why in (((), None, "needs the run's token"),
+                                 (("--api-token", "not-the-runs"), None, "refuses the token given"),
+                                 ((), "not-the-runs", "refuses the token given"),
+                                 (("--watch", "0.1", "--count", "2"), None, "needs the run's token"),
+                                 (("--json",), None, "needs the run's token")):
+        done = tandem("--url", sampler.url, *args, env_token=env_token)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        line = done.stderr.strip()
+        assert "\n" not in line and "Traceback" not in line, (args, done.stderr)
+        assert line == (f"tandem status: the sampler at {sampler.url} {why}: pass the run's token with "
+                        f"--api-token or TANDEM_API_TOKEN (the one the sampler was started with)"), (args, line)
+        assert TOKEN not in done.stdout + done.stderr
+        assert "published version" not in done.stdout
+
+    done = tandem("--url", sampler.url, "--api-token", TOKEN)
+    assert done.returncode == 0, done.stderr
+    for fact in ("Tandem sampler", sampler.url, "published version", "recent batches"):
+        assert fact in done.stdout, f"{fact!r} missing from:\n{done.stdout}"
+    raw = tandem("--url", sampler.url, "--json", env_token=TOKEN)  # the token from TANDEM_API_TOKEN
+    assert raw.returncode == 0, raw.stderr
+    assert json.loads(raw.stdout)["versions"]["published"] == 1
+    watched = tandem("--url", sampler.url, "--watch", "0.1", "--count", "2", env_token=TOKEN)
+    assert watched.returncode == 0 and "published version" in watched.stdout, watched.stderr
 
 
 def test_tandem_status_says_when_the_sampler_is_unreachable():
