@@ -11,8 +11,13 @@ Phases (each timed, then the total):
              cannot be pulled here): the dependency list minus torch/vllm, the package, the CLI
   up         `docker compose --profile cpu up -d`: model-init finishes, redis, inference-cpu and
              sampler-cpu healthy (docker inspect), the trainer running
-  endpoints  the dashboard (GET /), the sampler's and the inference server's /metrics and
-             /health on the host ports
+  exposure   nothing open on the host unless asked: the sampler's port published on 127.0.0.1
+             alone (not on this machine's other addresses), the inference server's not at all
+             (no binding, `compose port` empty, the port the file used to publish refused)
+  endpoints  the run's token at the doors: the sampler answers 401 without it (GET /status,
+             GET /batch, the dashboard's login page) and 200 with it, /health and /metrics
+             without it; the dashboard's ?token= link logs a browser in; inside the compose
+             network the inference server keeps /health open and the rest behind the token
   sampler    the sampler container's process killed mid-run (SIGKILL): its restart policy brings it back, healthy,
              and the published version moves on
   redis      the Redis container's process killed mid-run (AOF, appendfsync always): back by its restart
@@ -38,6 +43,7 @@ A private dockerd is stopped by its pid at the end whatever happened, and its mo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -52,7 +58,8 @@ import httpx
 
 from tests.compose import images
 from tests.compose.engine import Engine, Skip, start
-from tests.compose.stack import BatchRecorder, Stack, check_learns, check_no_batch_lost, wait_for
+from tests.compose.stack import (BatchRecorder, Stack, check_learns, check_no_batch_lost, host_addresses, refused,
+                                 wait_for)
 from tests.support.tracking import tensorboard_scalars
 
 SKIPPED = 3
@@ -91,16 +98,85 @@ def wait_healthy(stack: Stack, timeout: float = 240) -> dict[str, str]:
     return wait_for(ready, timeout, "redis, inference-cpu and sampler-cpu healthy")
 
 
+def check_exposure(stack: Stack) -> dict[str, Any]:
+    """Nothing open on the host unless asked (TANDEM_BIND is unset: the default)."""
+    sampler = stack.port_bindings("sampler-cpu")
+    assert sampler == {"8100/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(stack.sampler_port)}]}, sampler
+    assert not refused("127.0.0.1", stack.sampler_port), "the sampler's published port does not answer on 127.0.0.1"
+    elsewhere = host_addresses()
+    for address in elsewhere:
+        assert refused(address, stack.sampler_port), f"the sampler answers on {address}:{stack.sampler_port}"
+    for service in ("inference-cpu", "redis", "trainer-cpu"):
+        bound = stack.port_bindings(service)
+        assert not bound, f"{service} publishes {bound}"
+    port = stack.compose("port", "inference-cpu", "8000", check=False)
+    assert not port.stdout.strip(":\n "), f"`compose port inference-cpu 8000` says {port.stdout!r}"
+    assert refused("127.0.0.1", stack.old_inference_port), \
+        f"something answers on TANDEM_INFERENCE_PORT ({stack.old_inference_port}), which the file no longer publishes"
+    return {"sampler": f"127.0.0.1:{stack.sampler_port} only"
+            + (f" (refused on {', '.join(elsewhere)})" if elsewhere else " (no other address to try)"),
+            "inference-cpu": f"not published (`compose port` {port.stdout.strip()!r}, "
+                             f"exit {port.returncode}; {stack.old_inference_port} refused)"}
+
+
+# Run by the sampler container's Python, inside the compose network: the inference server is
+# reached there only. The token is the one compose gave the sampler (TANDEM_API_TOKEN), which
+# must be the inference server's too. Prints {path: [status without the token, status with it]}.
+INFERENCE_PROBE = """
+import json, os, urllib.error, urllib.request
+token = os.environ["TANDEM_API_TOKEN"]
+def get(path, headers):
+    try:
+        with urllib.request.urlopen(urllib.request.Request("http://inference-cpu:8000" + path, headers=headers),
+                                    timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+print(json.dumps({p: [get(p, {}), get(p, {"Authorization": "Bearer " + token})]
+                  for p in ("/health", "/metrics", "/v1/models", "/is_paused")}))
+"""
+
+
 def check_endpoints(stack: Stack) -> dict[str, Any]:
-    page = httpx.get(f"{stack.url}/", timeout=10)
-    assert page.status_code == 200 and "<html" in page.text.lower(), (page.status_code, page.text[:200])
-    metrics = httpx.get(f"{stack.url}/metrics", timeout=10)
-    assert metrics.status_code == 200 and "tandem_" in metrics.text, (metrics.status_code, metrics.text[:200])
-    inference = f"http://127.0.0.1:{stack.inference_port}"
-    assert httpx.get(f"{inference}/health", timeout=10).status_code == 200
-    served = httpx.get(f"{inference}/metrics", timeout=10)
-    return {"dashboard": f"{len(page.text)} bytes", "sampler /metrics": f"{len(metrics.text)} bytes",
-            "inference /metrics": served.status_code}
+    """The run's token at the doors: closed without it but for /health and /metrics."""
+    seen: dict[str, Any] = {}
+    sealed = (stack.status() or {}).get("steps", {}).get("sealed_steps") or [0]
+    batch = {"step": sealed[-1], "timeout": 0}
+    for path, params, want in (("/status", None, (200,)), ("/batch", batch, (200, 204, 410))):
+        without = httpx.get(f"{stack.url}{path}", params=params, timeout=10)
+        assert without.status_code == 401, f"GET {path} without the token: {without.status_code} {without.text[:200]}"
+        given = httpx.get(f"{stack.url}{path}", params=params, headers=stack.auth, timeout=10)
+        assert given.status_code in want, f"GET {path} with the token: {given.status_code} {given.text[:200]}"
+        wrong = httpx.get(f"{stack.url}{path}", params=params, headers={"Authorization": "Bearer not-the-token"},
+                          timeout=10)
+        assert wrong.status_code == 401, f"GET {path} with a wrong token: {wrong.status_code}"
+        seen[f"GET {path}"] = f"{without.status_code} without, {given.status_code} with the token"
+    for path, marker in (("/health", ""), ("/metrics", "tandem_")):
+        open_ = httpx.get(f"{stack.url}{path}", timeout=10)
+        assert open_.status_code == 200 and marker in open_.text, (path, open_.status_code, open_.text[:200])
+        seen[f"GET {path}"] = f"{open_.status_code} without the token"
+    # The dashboard as a person opens it: the login page without the token, then the link
+    # the sampler printed, whose token the browser keeps (a cookie) for the pages after it.
+    html = {"Accept": "text/html"}
+    login = httpx.get(f"{stack.url}/", headers=html, timeout=10)
+    assert login.status_code == 401 and "run token" in login.text, (login.status_code, login.text[:200])
+    with httpx.Client(timeout=10, headers=html, follow_redirects=True) as browser:
+        page = browser.get(f"{stack.url}/", params={"token": stack.token})
+        assert page.status_code == 200 and "<html" in page.text.lower(), (page.status_code, page.text[:200])
+        assert "token=" not in str(page.url), f"the token stayed in the address bar: {page.url}"
+        again = browser.get(f"{stack.url}/status")
+        assert again.status_code == 200, f"GET /status with the dashboard's cookie: {again.status_code}"
+    seen["dashboard"] = f"{login.status_code} without the token, {len(page.text)} bytes from the ?token= link"
+    logged = [line for line in stack.compose("logs", "--no-color", "sampler-cpu", timeout=60).stdout.splitlines()
+              if "dashboard: http://" in line]
+    assert logged and f"?token={stack.token}" in logged[-1], f"the sampler's log gives no dashboard link: {logged}"
+    probe = stack.exec_python("sampler-cpu", INFERENCE_PROBE, timeout=90)
+    inside = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert inside["/health"] == [200, 200], inside
+    for path in ("/metrics", "/v1/models", "/is_paused"):
+        assert inside[path] == [401, 200], f"inference-cpu {path} (without, with the token): {inside[path]}"
+    seen["inference-cpu (inside the network)"] = inside
+    return seen
 
 
 def kill_and_recover(stack: Stack, service: str, at_version: int, timeout: float = 120,
@@ -238,7 +314,7 @@ def run_stack(stack: Stack, phases: Phases, kill_at: dict[str, int]) -> None:
     """One run of the stack, `up` to `down`; a failed check raises, and the caller takes the stack down."""
     print(f"  kills at versions: {kill_at}", flush=True)
     stack.compose("down", "-v", "--remove-orphans", timeout=180)  # a previous run's leftovers
-    recorder = BatchRecorder(stack.url)
+    recorder = BatchRecorder(stack.url, stack.token)
 
     def up() -> dict[str, str]:
         stack.compose("up", "-d", "--no-build", timeout=600)
@@ -246,6 +322,7 @@ def run_stack(stack: Stack, phases: Phases, kill_at: dict[str, int]) -> None:
         return wait_healthy(stack)
     phases.run("up", up)
     redis = stack.state("redis")  # its pid and start, read now: stable until its kill, and slow to read
+    phases.run("exposure", lambda: check_exposure(stack))
     phases.run("endpoints", lambda: check_endpoints(stack))
     phases.run("sampler", lambda: kill_and_recover(stack, "sampler-cpu", at_version=kill_at["sampler"]))
     phases.run("redis", lambda: drill_redis(stack, recorder, at_version=kill_at["redis"], known=redis))

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from tests.compose import check, images
-from tests.compose.stack import check_learns, check_no_batch_lost
+from tests.compose.engine import Engine
+from tests.compose.stack import Stack, check_learns, check_no_batch_lost, host_addresses, refused
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,6 +70,28 @@ def test_the_check_builds_and_stands_in_for_what_the_compose_file_names() -> Non
     assert compose["services"]["redis"]["image"] == check.REDIS_IMAGE
     build = images.compose_build("tandem:cpu")
     assert build["target"] == "cpu" and build["dockerfile"] == "docker/Dockerfile"
+
+
+def test_the_stack_runs_on_the_compose_defaults_with_a_token_of_its_own() -> None:
+    """The exposure phase expects the sampler on 127.0.0.1: the host's TANDEM_BIND (or any
+    TANDEM_ variable) must not reach compose; and every request to the sampler carries the token."""
+    stack = Stack(Engine(env={"PATH": "/usr/bin", "TANDEM_BIND": "0.0.0.0", "TANDEM_API_TOKEN": "host's"}), 16)
+    assert "TANDEM_BIND" not in stack.env
+    assert stack.env["TANDEM_API_TOKEN"] == stack.token != "host's"
+    assert stack.auth == {"Authorization": f"Bearer {stack.token}"}
+    assert stack.env["TANDEM_INFERENCE_PORT"] == str(stack.old_inference_port) != str(stack.sampler_port)
+    compile(check.INFERENCE_PROBE, "probe", "exec")  # run by the sampler container's Python
+
+
+def test_refused_tells_a_listening_port_from_a_closed_one() -> None:
+    import socket
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert not refused("127.0.0.1", port)
+    assert refused("127.0.0.1", port)
+    assert not any(address.startswith("127.") for address in host_addresses())
 
 
 def test_the_dockerfile_defaults_need_no_build_args() -> None:
