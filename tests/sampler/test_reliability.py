@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from shared.token_guard import bearer_headers
 from tests.support.driver import drive
 
 
@@ -155,8 +156,10 @@ async def test_a_redis_outage_is_a_state_not_a_crash_loop(tmp_path, make_sampler
     caplog.set_level(logging.INFO)
     proc, url = start_redis(tmp_path / "outage", appendfsync="always")
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    sampler = make_sampler(redis_url=url, server_check_interval=0.5)
-    with httpx.Client(base_url=sampler.url, timeout=30) as http:
+    # With the run's token, as a run is started (without one the sampler warns at start-up, and
+    # any warning but the outage's two would fail the check below).
+    sampler = make_sampler(redis_url=url, server_check_interval=0.5, api_token="outage-token")
+    with httpx.Client(base_url=sampler.url, timeout=30, headers=bearer_headers("outage-token")) as http:
         assert http.get("/batch", params={"step": 0, "timeout": 20}).status_code == 200
         assert http.get("/health").json() == {"status": "ok", "problems": []}
         proc.kill()

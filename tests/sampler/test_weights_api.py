@@ -81,9 +81,11 @@ def test_mutating_endpoints_need_the_token(make_sampler):
             assert "Bearer" in wrong.json()["detail"]
         ok = http.post("/weights_version", json={"version": 1}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
-        # Reads stay open.
-        assert http.get("/weights_version").status_code == 200
-        assert http.get("/status").status_code == 200
+        # Reads are closed too (every route but /health and /metrics), and open with the token.
+        for path in ("/weights_version", "/status"):
+            assert http.get(path).status_code == 401
+            assert http.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert http.get("/health").status_code == 200
 
 
 def test_a_server_labelled_ahead_of_the_run_is_relabelled(make_sampler, standin):
