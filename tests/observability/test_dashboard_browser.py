@@ -2,7 +2,10 @@
 
 Checks that the charts draw data and grow as the test drives steps like a trainer,
 that HTML in prompts shows as text (never runs), that the rollout filter works and
-that the page logs no console errors. Chromium comes from the system (Debian's
+that the page logs no console errors. The sampler runs with a run token (issue 41): the
+page is opened with the link the sampler prints (`/?token=...`), which leaves the address
+bar and lives on in a cookie; a browser without it is shown how to get in, and a page whose
+polls start answering 401 reloads into that page. Chromium comes from the system (Debian's
 `chromium`; `make test` installs it); Playwright's own browser download is not used.
 Skips, saying why, only when no Chromium or no Playwright is available.
 """
@@ -35,8 +38,12 @@ def chromium_path() -> str | None:
     return None
 
 
+TOKEN = "dashboard-token-41"
+
+
 @pytest.fixture
 def page(tmp_path: Path):
+    """A page in a fresh browser profile: no cookie, no token."""
     executable = chromium_path()
     if executable is None:
         pytest.skip("no Chromium found (install Debian's `chromium`, or set TANDEM_CHROMIUM to a Chrome binary)")
@@ -50,6 +57,12 @@ def page(tmp_path: Path):
             yield context.new_page()
         finally:
             context.close()
+
+
+def wait_live(page, more_than: int = 0) -> None:
+    """The page polled the sampler successfully (again), and says so."""
+    page.wait_for_function(f"Number(document.body.dataset.updates || 0) > {more_than}", timeout=15000)
+    assert page.text_content("#conn") == "live"
 
 
 def points(page, chart: str) -> int:
@@ -73,13 +86,16 @@ CORRECTION_METRICS = {"mismatch_k1": -0.002, "mismatch_k2": 0.004, "mismatch_k3"
 
 
 def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
-    sampler = make_sampler(env="tests.observability.htmlenv:HtmlEnv", max_staleness=1)
+    sampler = make_sampler(env="tests.observability.htmlenv:HtmlEnv", max_staleness=1, api_token=TOKEN)
     problems: list[str] = []
     page.on("console", lambda msg: msg.type in ("error", "warning") and problems.append(f"{msg.type}: {msg.text}"))
     page.on("pageerror", lambda exc: problems.append(f"pageerror: {exc}"))
 
-    take_batch(sampler.url, 0)
-    page.goto(f"{sampler.url}/?interval=200")
+    take_batch(sampler.url, 0, token=TOKEN)
+    # The link the sampler prints: the token goes into a cookie and out of the address bar.
+    page.goto(f"{sampler.url}/?token={TOKEN}&interval=200")
+    assert page.url == f"{sampler.url}/?interval=200"
+    assert TOKEN not in page.url
     page.wait_for_function("document.getElementById('chart-reward').dataset.points >= 1", timeout=15000)
     page.wait_for_selector("#rollouts tbody tr", timeout=15000)
     before = {chart: points(page, chart) for chart in ("reward", "timeline")}
@@ -95,16 +111,16 @@ def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     # comes from a trainer older than the off-policy correction metrics (issue 29): its chart
     # stays empty and nothing breaks; versions 2 and 3 carry them, 3 per staleness as well.
     assert points(page, "offpolicy") == 0 and points(page, "correction") == 0
-    publish(sampler.url, 1, metrics=OLD_TRAINER_METRICS)
+    publish(sampler.url, 1, metrics=OLD_TRAINER_METRICS, token=TOKEN)
     page.wait_for_function("document.getElementById('chart-mismatch').dataset.points === '1'", timeout=15000)
     assert points(page, "offpolicy") == 0  # nothing to draw, no error
     assert points(page, "correction") == 1  # is_truncated_fraction, which older trainers send
-    take_batch(sampler.url, 1)
-    publish(sampler.url, 2, metrics={**OLD_TRAINER_METRICS, **CORRECTION_METRICS})
-    take_batch(sampler.url, 2)
+    take_batch(sampler.url, 1, token=TOKEN)
+    publish(sampler.url, 2, metrics={**OLD_TRAINER_METRICS, **CORRECTION_METRICS}, token=TOKEN)
+    take_batch(sampler.url, 2, token=TOKEN)
     publish(sampler.url, 3, metrics={**OLD_TRAINER_METRICS, **CORRECTION_METRICS, "mismatch_k3_stale0": 0.001,
-                                     "mismatch_k3_stale1": 0.02, "rejected_fraction_stale1": 0.25})
-    run_eval(sampler.url, num_examples=3)
+                                     "mismatch_k3_stale1": 0.02, "rejected_fraction_stale1": 0.25}, token=TOKEN)
+    run_eval(sampler.url, num_examples=3, token=TOKEN)
     page.wait_for_function("document.getElementById('published').textContent === '3'", timeout=15000)
     page.wait_for_function("document.getElementById('eval-reward').textContent !== '–'", timeout=15000)
     page.wait_for_function(
@@ -136,5 +152,42 @@ def test_dashboard_live_charts_escaping_and_filter(make_sampler, page):
     assert page.locator("#rollouts tbody tr").count() == 0
     assert page.evaluate("window.__pwned") is None
     assert int(page.evaluate("document.body.dataset.updates")) >= 3  # it polled, it did not reload
-
     assert problems == []
+
+    # Opened again without the token in the address: the cookie keeps it live.
+    page.goto(f"{sampler.url}/")
+    assert page.url == f"{sampler.url}/"
+    wait_live(page)
+    assert page.text_content("#published") == "3"
+    assert problems == []
+
+
+def test_dashboard_without_the_token_says_how_to_get_in(make_sampler, page):
+    sampler = make_sampler(api_token=TOKEN)
+    page.goto(f"{sampler.url}/?interval=200")
+    # Not a broken dashboard: the sampler's page saying what to do, with a form for the token.
+    assert "needs its run token" in page.text_content("h1")
+    assert "has not been given the token yet" in page.text_content("#why")
+    assert page.locator("#conn").count() == 0
+    # A wrong token: the page again, saying so.
+    page.fill("input[name=token]", "not-the-token")
+    page.click("button[type=submit]")
+    page.wait_for_selector("text=That token is not this run's token.")
+    # The right one, pasted: the live dashboard, the token out of the address bar.
+    page.fill("input[name=token]", TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_selector("#conn")
+    assert page.url == f"{sampler.url}/"
+    wait_live(page)
+
+
+def test_dashboard_reloads_into_the_login_page_when_its_token_stops_working(make_sampler, page):
+    """As after a restart with a new token: the polls answer 401, and the page, rather than
+    showing "disconnected" forever, reloads into the page that says how to get in."""
+    sampler = make_sampler(api_token=TOKEN)
+    page.goto(f"{sampler.url}/?token={TOKEN}&interval=200")
+    wait_live(page)
+    page.context.clear_cookies()
+    page.wait_for_selector("text=needs its run token", timeout=15000)
+    assert "has not been given the token yet" in page.text_content("#why")
+    assert page.url == f"{sampler.url}/?interval=200"

@@ -389,8 +389,22 @@ function renderData(d) {
   renderRollouts();
 }
 
+// A 401 means this browser's token is no longer the run's (the sampler restarted with a new
+// one, or the cookie is gone): reload, so the sampler's page says how to get in instead of this
+// page showing "disconnected" forever. At most once a minute, in case something keeps answering
+// 401 to the polls while still serving the page.
+const RELOAD_KEY = "tandem-dashboard-reloaded-at";
+
+function reloadForToken() {
+  const last = Number(sessionStorage.getItem(RELOAD_KEY) || 0);
+  if (Date.now() - last < 60000) return;
+  sessionStorage.setItem(RELOAD_KEY, String(Date.now()));
+  location.reload();
+}
+
 async function fetchJSON(path) {
   const response = await fetch(path, { cache: "no-store" });
+  if (response.status === 401) reloadForToken();
   if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
   return response.json();
 }
