@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -173,6 +174,37 @@ def test_the_sampler_sends_its_token_to_its_inference_servers(make_sampler):
         assert len(batch.json()["samples"]) == 16
         stats = httpx.get(guarded.url + "/_standin/stats", headers=AUTH, timeout=10)
         assert stats.status_code == 200 and stats.json()["requests"] >= 4, stats.text[:300]
+        # The weight sync too (pause, collective_rpc, update_weight_version, resume).
+        synced = httpx.post(sampler.url + "/weights_version", json={"version": 1, "checkpoint_path": "/ckpt/step-0"},
+                            headers=AUTH, timeout=30)
+        assert synced.status_code == 200, synced.text[:300]
+        assert [server["version"] for server in synced.json()["servers"]] == [1]
+        stats = httpx.get(guarded.url + "/_standin/stats", headers=AUTH, timeout=10).json()
+        assert stats == {**stats, "reloads": ["/ckpt/step-0"], "version": "1", "paused": False}
+        batch = httpx.get(sampler.url + "/batch", params={"step": 1, "timeout": 30}, headers=AUTH, timeout=40)
+        assert batch.status_code == 200, batch.text[:300]
+    finally:
+        guarded.stop()
+
+
+def test_an_inference_server_that_refuses_the_token_shows_as_down_with_the_reason(make_sampler):
+    """A run whose inference server has another token: the server is never put in rotation,
+    and /status says why (the 401), rather than the run just producing nothing."""
+    guarded = UvicornThread(create_standin_app(api_token="the-server-token")).start()
+    try:
+        sampler = make_sampler(api_token=TOKEN, inference_urls=[guarded.url])
+        deadline = time.monotonic() + 15
+        while True:
+            [server] = httpx.get(sampler.url + "/status", headers=AUTH, timeout=10).json()["inference_servers"]
+            if server["state"] == "down" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert server["state"] == "down" and not server["in_rotation"], server
+        assert "401" in server["reason"] and "TANDEM_API_TOKEN" in server["reason"], server["reason"]
+        assert httpx.get(sampler.url + "/batch", params={"step": 0, "timeout": 0.5}, headers=AUTH,
+                         timeout=10).status_code == 204
+        stats = httpx.get(guarded.url + "/_standin/stats", headers={"Authorization": "Bearer the-server-token"})
+        assert stats.json()["requests"] == 0  # nothing was generated past the guard
     finally:
         guarded.stop()
 
