@@ -16,10 +16,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
+import pytest
 
 from services.inference.standin import create_standin_app
+from services.sampler.config import SamplerSettings
+from shared.token_guard import dashboard_url
 from tests.support.route_walk import (
     METHODS, WRONG, app_routes, check_closed, concrete, every_method, schema_routes,
 )
@@ -111,6 +115,17 @@ def test_metrics_token_guards_metrics_and_opens_nothing_else(make_sampler):
         for path in ("/status", "/dashboard/data", "/batch"):
             assert http.get(path, headers={"Authorization": "Bearer scrape-41"}).status_code == 401, path
         assert http.get("/health").status_code == 200
+
+
+def test_metrics_token_alone_still_guards_metrics(make_sampler):
+    """docs/sampler-api.md, GET /metrics: "With `metrics_token` set it needs Authorization:
+    Bearer with that token (or the run's), else 401" -- also on a sampler without a run token."""
+    sampler = make_sampler(metrics_token="scrape-41")
+    with httpx.Client(base_url=sampler.url, timeout=30) as http:
+        assert http.get("/status").status_code == 200  # no run token: the rest is open
+        assert http.get("/metrics", headers={"Authorization": "Bearer scrape-41"}).status_code == 200
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"Authorization": f"Bearer {WRONG}"}).status_code == 401
 
 
 def test_dashboard_login_keeps_the_token_in_a_cookie_for_reads_only(make_sampler, caplog):
@@ -207,6 +222,19 @@ def test_an_inference_server_that_refuses_the_token_shows_as_down_with_the_reaso
         assert stats.json()["requests"] == 0  # nothing was generated past the guard
     finally:
         guarded.stop()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "0.0.0.0", "::"])
+def test_the_printed_dashboard_link_is_a_url_a_browser_opens(host):
+    """The link the sampler logs for each loopback host it may listen on (and the wildcards):
+    a URL with a host, the port and the token, which httpx (as a browser) can parse."""
+    settings = SamplerSettings(host=host, port=8123, inference_urls=["http://127.0.0.1:9"], api_token="a b&c")
+    url = dashboard_url(settings.self_url, settings.api_token)
+    parts = urlsplit(url)
+    assert parts.scheme == "http" and parts.port == 8123 and parts.path == "/", url
+    assert parts.hostname in ("127.0.0.1", "localhost", "::1"), url
+    assert parse_qs(parts.query) == {"token": ["a b&c"]}
+    assert httpx.URL(url).port == 8123
 
 
 def _env_without_token() -> dict[str, str]:
