@@ -6,6 +6,8 @@ launcher, from .venv-vllm, which `make vllm` builds) with the tiny model from in
     handle = shared_vllm(tmp_path_factory)   # ONE server per pytest process (start-up ~1 min);
                                              # pytest.skip(reason) when .venv-vllm is unusable
     handle.url            # "http://127.0.0.1:<port>"
+    handle.headers        # {"Authorization": "Bearer <token>"} for a server started with
+                          # VllmHandle(..., api_token=...), {} otherwise
     handle.model_dir      # the checkpoint it was started from (tiny, seed 0)
     handle.stop()         # SIGTERM through the launcher, SIGKILL to the group after a timeout
     handle.kill()         # SIGKILL to the whole process group: launcher, API server, engine
@@ -18,9 +20,16 @@ A test that changes the shared server must put it back: reload `handle.model_dir
 loading another checkpoint, resume after pausing. Version labels move freely: read
 /weight_info instead of assuming "0".
 
+A server started with `api_token` is closed as `tandem inference --backend vllm` closes it
+with the run's token (VLLM_API_KEY and shared.token_guard.VllmTokenGuard): the token goes to
+the launcher in its environment (TANDEM_API_TOKEN), never on its command line. Every other
+server gets no TANDEM_API_TOKEN from the caller's environment, so it is open whatever the shell
+running the tests has set.
+
 Also the probe helpers both tiers use: `probe_prompt_logprobs(url, ids)` (the sampler's
 post-sync check, over HTTP) and `reference_prompt_logprobs(model_dir, ids)` (transformers,
-float32, the trainer's numbers).
+float32, the trainer's numbers). `probe_prompt_logprobs`, `reload_method` and `sync_weights`
+take `api_token=` for a guarded server.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from typing import Any
 import httpx
 
 from services.procs import free_port
+from shared.token_guard import TOKEN_ENV, bearer_headers
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -78,8 +88,10 @@ class VllmHandle:
     """A vLLM server run by the launcher in a process group of its own."""
 
     def __init__(self, model_dir: Path, log_path: Path, *, port: int | None = None,
-                 served_model_name: str = "tiny", python: Path = VLLM_PYTHON, **settings: Any):
+                 served_model_name: str = "tiny", python: Path = VLLM_PYTHON, api_token: str | None = None,
+                 **settings: Any):
         self.model_dir = Path(model_dir)
+        self.api_token = api_token
         self.log_path = Path(log_path)
         self.port = port or free_port()
         self.served_model_name = served_model_name
@@ -97,6 +109,11 @@ class VllmHandle:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this server sends: the bearer token when it has one."""
+        return bearer_headers(self.api_token)
+
     def start(self, timeout: float = STARTUP_TIMEOUT) -> VllmHandle:
         """Start and wait until /health answers and the launcher set the initial version."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +121,12 @@ class VllmHandle:
             log.write(f"\n==== starting: {' '.join(self.argv)}\n".encode())
             log.flush()
             started = time.monotonic()
+            # The token in the launcher's environment only (`ps` shows command lines to everyone).
+            env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV} | {"PYTHONUNBUFFERED": "1"}
+            if self.api_token:
+                env[TOKEN_ENV] = self.api_token
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                          env=env, start_new_session=True)
         deadline = started + timeout
         while True:
             if self.popen.poll() is not None:
@@ -126,7 +147,8 @@ class VllmHandle:
             if httpx.get(self.url + "/health", timeout=5).status_code != 200:
                 return False
             # The launcher labels the weights right after /health first answers.
-            return httpx.get(self.url + "/weight_info", timeout=5).json().get("weight_version") == self.weight_version
+            return httpx.get(self.url + "/weight_info", timeout=5,
+                             headers=self.headers).json().get("weight_version") == self.weight_version
         except (httpx.HTTPError, ValueError):
             return False
 
@@ -235,10 +257,11 @@ def stop_shared_vllm() -> None:
 
 # ---------------------------------------------------------------- the probe
 
-def probe_prompt_logprobs(url: str, ids: list[int], *, timeout: float = 60.0) -> list[float]:
+def probe_prompt_logprobs(url: str, ids: list[int], *, timeout: float = 60.0,
+                          api_token: str | None = None) -> list[float]:
     """The sampler's post-sync probe: the log-probability the server gives each prompt token
     after the first (`prompt_logprobs: 0`, read back from vLLM's shape)."""
-    r = httpx.post(url + "/v1/completions", timeout=timeout, json={
+    r = httpx.post(url + "/v1/completions", timeout=timeout, headers=bearer_headers(api_token), json={
         "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
     r.raise_for_status()
     rows = r.json()["choices"][0]["prompt_logprobs"]
@@ -262,7 +285,7 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def reload_method(url: str, *, timeout: float = 30.0) -> str:
+def reload_method(url: str, *, timeout: float = 30.0, api_token: str | None = None) -> str:
     """The collective_rpc method that reloads weights on the server at `url`, decided the way
     the sampler does, without side effects: vLLM in dev mode describes its configuration at
     GET /server_info; a server started with Tandem's worker extension takes
@@ -270,7 +293,8 @@ def reload_method(url: str, *, timeout: float = 30.0) -> str:
     /server_info) `reload_weights`."""
     from services.inference.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
 
-    r = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=timeout)
+    r = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=timeout,
+                  headers=bearer_headers(api_token))
     if r.status_code != 200:
         return "reload_weights"
     parallel = (r.json().get("vllm_config") or {}).get("parallel_config") or {}
@@ -278,13 +302,13 @@ def reload_method(url: str, *, timeout: float = 30.0) -> str:
 
 
 def sync_weights(url: str, weights_path: str | os.PathLike | None, version: str, *,
-                 method: str | None = None, timeout: float = 120.0) -> dict:
+                 method: str | None = None, timeout: float = 120.0, api_token: str | None = None) -> dict:
     """The sampler's weight sync for one server: pause(keep) -> reload -> update_weight_version
     -> reset_prefix_cache -> resume (resume even when a step failed). Returns the reload's
     collective_rpc answer; raises httpx.HTTPStatusError when a step is refused."""
-    method = method or reload_method(url)
+    method = method or reload_method(url, api_token=api_token)
     kwargs = {"weights_path": str(weights_path)} if weights_path is not None else {}
-    with httpx.Client(base_url=url, timeout=timeout) as c:
+    with httpx.Client(base_url=url, timeout=timeout, headers=bearer_headers(api_token)) as c:
         c.post("/pause", params={"mode": "keep"}).raise_for_status()
         try:
             r = c.post("/collective_rpc", json={"method": method, "kwargs": kwargs})

@@ -44,7 +44,7 @@ def publish(url: str, version: int, checkpoint: Path | str, probe: dict | None) 
 
 
 def server_status(url: str) -> dict:
-    return httpx.get(url + "/status", timeout=30).json()["inference_servers"][0]
+    return httpx.get(url + "/status", headers=AUTH, timeout=30).json()["inference_servers"][0]
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_every_sync_is_verified_and_a_wrong_probe_takes_the_server_out(
     assert r.status_code == 422, r.text
     assert "none computes the trainer's logprobs" in r.json()["detail"], r.text
     assert "tolerance max 0.001" in r.json()["detail"], r.text
-    current = httpx.get(url + "/weights_version", timeout=30).json()
+    current = httpx.get(url + "/weights_version", headers=AUTH, timeout=30).json()
     assert current["version"] == 1, current
     server = server_status(url)
     assert server["state"] == "mismatch" and server["version"] is None, server
@@ -129,7 +129,7 @@ def test_an_engine_that_dies_is_reported_and_healed_when_it_is_back(
     step, codes = 3, []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        answer = httpx.get(url + "/batch", params={"step": step, "timeout": 5}, timeout=30)
+        answer = httpx.get(url + "/batch", params={"step": step, "timeout": 5}, headers=AUTH, timeout=30)
         codes.append(answer.status_code)
         if answer.status_code != 204:
             break
@@ -146,5 +146,5 @@ def test_an_engine_that_dies_is_reported_and_healed_when_it_is_back(
     assert server["resyncs"] >= 1 and server["probe"]["ok"], server
     assert max_abs_diff(probe_prompt_logprobs(vllm_server.url, IDS),
                         reference_prompt_logprobs(other_checkpoint, IDS)) < 1e-3
-    answer = httpx.get(url + "/batch", params={"step": step, "timeout": 120}, timeout=180)
+    answer = httpx.get(url + "/batch", params={"step": step, "timeout": 120}, headers=AUTH, timeout=180)
     assert answer.status_code == 200, answer.text[:500]

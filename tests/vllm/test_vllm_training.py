@@ -31,6 +31,7 @@ from tests.support.vllm import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
 TOKEN = "vllm-training-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the sampler is closed with it: every route but /health, /metrics
 STEPS = 50
 IDS = [5, 17, 42, 8, 33, 60, 12, 9]
 
@@ -47,7 +48,8 @@ async def test_a_short_run_learns_through_real_vllm(vllm_server: VllmHandle, tmp
             prompts_per_step=8, num_generations=16, max_tokens=4, on_policy=True, max_staleness=0,
             temperature=1.0, api_token=TOKEN, seed=0)
         cleanup.add(lambda: stop_process(sampler))
-        wait_for(lambda: httpx.get(sampler.url + "/status", timeout=30).json()["inference_servers"][0]["state"] == "ok",
+        wait_for(lambda: httpx.get(sampler.url + "/status", headers=AUTH,
+                                   timeout=30).json()["inference_servers"][0]["state"] == "ok",
                  60, "the sampler to admit the vLLM server", detail=sampler.log_tail)
         settings = build(TrainerSettings, {k: str(v) for k, v in {
             "model": vllm_server.model_dir, "sampler_url": sampler.url, "run_dir": run_dir, "api_token": TOKEN,
@@ -67,7 +69,7 @@ async def test_a_short_run_learns_through_real_vllm(vllm_server: VllmHandle, tmp
         assert mismatch <= 0.05, [r["behaviour_mismatch"] for r in steps]
 
         # Every sync was verified by the trainer's probe, and vLLM serves the last checkpoint.
-        served = httpx.get(sampler.url + "/weights_version", timeout=30).json()
+        served = httpx.get(sampler.url + "/weights_version", headers=AUTH, timeout=30).json()
         (server,) = served["servers"]
         assert server["version"] == STEPS and server["probe"]["ok"], server
         assert server["probe"]["max_abs_diff"] < 1e-3, server["probe"]
