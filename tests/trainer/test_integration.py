@@ -26,6 +26,7 @@ from services.trainer.step_record import batch_digest
 from services.trainer.trainer import train
 from shared.client import SamplerClient
 from shared.settings import SettingsError, build
+from shared.token_guard import bearer_headers
 from tests.support.servers import kill_embedded_redis, REPO, UvicornThread, free_port, start_sampler_process
 
 ENV = "tests.trainer.letter_env:LetterEnv"
@@ -116,7 +117,7 @@ async def test_trains_checkpoints_publishes_and_evaluates(stack, tiny_model_dir:
     published = run_dir / "published"
     assert [v for v, _ in ckpt.list_published(published)] == [2, 3]
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [2]
-    async with SamplerClient(sampler.url) as client:
+    async with SamplerClient(sampler.url, api_token=TOKEN) as client:
         served = await client.weights_version()
     assert served.version == 3
     assert Path(served.checkpoint_path) == ckpt.version_path(published, 3)
@@ -173,7 +174,7 @@ async def test_resume_from_an_older_full_checkpoint_retrains_the_steps_since(sta
                           eval_at_start=False, eval_at_end=False))
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1, 2]
     shutil.rmtree(ckpt.step_path(run_dir, 2))  # as if it died before the last checkpoint
-    async with SamplerClient(sampler.url) as client:
+    async with SamplerClient(sampler.url, api_token=TOKEN) as client:
         assert (await client.weights_version()).version == 3
 
     summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=4, checkpoint_every=2,
@@ -186,7 +187,7 @@ async def test_resume_from_an_older_full_checkpoint_retrains_the_steps_since(sta
     superseded = [json.loads(line) for line in (run_dir / "trainer_metrics.superseded.jsonl").read_text().splitlines()]
     assert [r["step"] for r in superseded] == [2]
     assert superseded[0]["batch_digest"] == steps[2]["batch_digest"]  # the same batch 2, trained again
-    async with SamplerClient(sampler.url) as client:
+    async with SamplerClient(sampler.url, api_token=TOKEN) as client:
         served = await client.weights_version()
     assert served.version == 4 and all(server.version == 4 for server in served.servers)
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [1, 3]
@@ -211,7 +212,7 @@ async def test_a_new_run_in_a_used_run_dir_keeps_what_it_publishes(stack, tiny_m
                                     keep_published=1, keep_checkpoints=1, resume=False,
                                     eval_at_start=False, eval_at_end=False))
     assert summary["start_step"] == 0 and summary["final_version"] == 3
-    async with SamplerClient(sampler.url) as client:
+    async with SamplerClient(sampler.url, api_token=TOKEN) as client:
         served = await client.weights_version()
     assert served.version == 3 and Path(served.checkpoint_path).is_dir()
     assert [v for v, _ in ckpt.list_published(run_dir / "published")] == [3]
@@ -244,7 +245,7 @@ async def test_a_trainer_that_cannot_continue_the_samplers_run_says_so_before_tr
 
 def test_cli_refuses_a_batch_shape_mismatch(stack, tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     sampler, _ = stack
-    code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url,
+    code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url, "--api-token", TOKEN,
                          "--run-dir", str(tmp_path / "t"), "--per-device-batch-size", "3",
                          "--grad-accum-steps", "2", "--no-progress"], prog="tandem trainer")
     assert code == 2
@@ -261,7 +262,7 @@ async def test_scores_the_truncated_distribution_a_sampler_samples_from(make_sta
     set, and the trainer scores the same set (shared/truncation.py), so on-policy samples have no
     behaviour mismatch. Scoring the full distribution instead would be off by ~0.1 nats a token."""
     sampler, _ = make_stack(max_staleness=0, top_p=0.8, top_k=12)
-    config = httpx.get(sampler.url + "/status", timeout=30).json()["config"]
+    config = httpx.get(sampler.url + "/status", timeout=30, headers=bearer_headers(TOKEN)).json()["config"]
     assert (config["top_p"], config["top_k"]) == (0.8, 12)
     run_dir = tmp_path / "trainer"
     summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=2, eval_at_start=False,
@@ -359,7 +360,7 @@ def test_fsdp_two_ranks_publish_checkpoint_and_resume_sharded(stack, tiny_model_
 
 
 async def _served_version(url: str) -> int:
-    async with SamplerClient(url) as client:
+    async with SamplerClient(url, api_token=TOKEN) as client:
         return (await client.weights_version()).version
 
 

@@ -135,7 +135,8 @@ def test_the_cli_gives_up_on_an_unreachable_sampler_in_one_line(tiny_model_dir: 
     assert done.returncode == 4, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     last = _last_line(done.stderr)
-    assert last.startswith("tandem trainer: GET /status: the sampler at " + url), last
+    # GET /auth is the trainer's first call (before GET /status, which the token guards too).
+    assert last.startswith("tandem trainer: GET /auth: the sampler at " + url), last
     assert "--retry-for / TANDEM_RETRY_FOR = 1.5s; raise it to wait longer" in last, last
     waiting = [line for line in done.stderr.splitlines() if "tandem.client" in line]
     assert waiting and "a line every 0.5s" in waiting[0] and len(waiting) <= 5, done.stderr
