@@ -132,19 +132,23 @@ class TokenGuard:
         self.service = service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or self.token is None:
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
         headers = scope.get("headers", [])
         given = bearer(headers)
         if path in self.open_paths:
+            # A path with a token of its own keeps it even when the run has none.
             own = self.open_paths[path]
-            if own is None or (given is not None and (token_matches(given, own) or token_matches(given, self.token))):
+            if own is None or (given is not None and any(token_matches(given, t) for t in (own, self.token) if t)):
                 await self.app(scope, receive, send)
                 return
             await self._deny(scope, send, "this endpoint needs 'Authorization: Bearer <token>' with its own token "
                              "or the run's token")
+            return
+        if self.token is None:
+            await self.app(scope, receive, send)
             return
         if given is not None:
             if token_matches(given, self.token):

@@ -159,6 +159,8 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     def self_url(self) -> str:
         """This sampler's own address, as a process on its machine reaches it."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 literal, as a URL writes it
         return f"http://{host}:{self.port}"
 
     @property
