@@ -27,12 +27,13 @@ from services.trl_bridge.sampler_link import SamplerLink  # noqa: E402
 from services.trl_bridge.trainer import TandemGRPOTrainer  # noqa: E402
 from shared import contract  # noqa: E402
 from shared.contract import ContractError  # noqa: E402
+from shared.token_guard import bearer_headers  # noqa: E402
 from tests.support.servers import REPO, free_port  # noqa: E402
 from tests.trl.conftest import TOKEN  # noqa: E402
 
 
 def _config(out: Path, sampler_url: str, max_steps: int, per_device: int = 128, **overrides: Any) -> GRPOConfig:
-    link = SamplerLink(sampler_url)
+    link = SamplerLink(sampler_url, api_token=TOKEN)
     try:
         status = link.status()
     finally:
@@ -49,7 +50,7 @@ def _config(out: Path, sampler_url: str, max_steps: int, per_device: int = 128, 
 
 
 def _served(url: str) -> Any:
-    link = SamplerLink(url)
+    link = SamplerLink(url, api_token=TOKEN)
     try:
         return link._run(link._client.weights_version())
     finally:
@@ -283,7 +284,7 @@ def test_resume_from_a_trl_checkpoint_continues_with_the_next_batch(make_toy_sta
         first.close()
     assert (out / "checkpoint-2").is_dir()
     shutil.rmtree(out / "checkpoint-4")  # killed before it was written
-    status = httpx.get(f"{sampler.url}/status", timeout=30).json()
+    status = httpx.get(f"{sampler.url}/status", timeout=30, headers=bearer_headers(TOKEN)).json()
     assert status["versions"]["published"] == 4 and status["steps"]["resume_step"] == 2
     assert status["steps"]["trimmed_below"] == 2  # held; keep_batches 1 alone would delete batch 2
 

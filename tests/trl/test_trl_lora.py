@@ -44,7 +44,7 @@ def _config(out: Path, sampler_url: str | None, **overrides: Any) -> GRPOConfig:
     if sampler_url is None:
         values.update(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=4)
     else:
-        link = SamplerLink(sampler_url)
+        link = SamplerLink(sampler_url, api_token=TOKEN)
         try:
             values.update(grpo_config_values(link.status(), 1, 128))
         finally:
