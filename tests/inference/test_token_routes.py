@@ -104,6 +104,26 @@ def test_standin_guards_every_route_but_health(guarded_standin: UvicornThread):
         assert completion.status_code == 200, completion.text[:300]
 
 
+def test_standin_process_takes_its_token_from_the_flag_or_the_environment(tmp_path: Path):
+    started = []
+    for name, extra, env in (("flag", ["--api-token", TOKEN], _env_without_token()),
+                             ("env", [], {**_env_without_token(), "TANDEM_API_TOKEN": TOKEN})):
+        port = free_port()
+        proc = ServiceProcess([sys.executable, "-m", "services.inference.standin", "--port", str(port), *extra],
+                              name=f"stand-in ({name})", log_path=tmp_path / f"{name}.log", env=env,
+                              ready_url=f"http://127.0.0.1:{port}/health")
+        started.append((proc, f"http://127.0.0.1:{port}"))
+    try:
+        for proc, url in started:
+            proc.wait_ready(60)
+            assert httpx.post(url + "/pause", timeout=10).status_code == 401
+            assert httpx.get(url + "/weight_info", timeout=10).status_code == 401
+            assert httpx.get(url + "/weight_info", headers=AUTH, timeout=10).status_code == 200
+    finally:
+        for proc, _ in started:
+            proc.terminate()
+
+
 def _env_without_token() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("TANDEM_API_TOKEN", "TANDEM_INSECURE_NO_TOKEN")}
 

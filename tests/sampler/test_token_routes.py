@@ -88,6 +88,22 @@ def test_every_sampler_route_but_health_and_metrics_needs_the_token(make_sampler
                 assert http.request(method, path).status_code in (401, 405), (method, path)
 
 
+def test_a_route_added_later_is_closed_too(make_sampler):
+    """Closed by default: a route added to the app after create_app (no dependency, no
+    decorator of the guard's) answers 401 without the token, and the walk finds it."""
+    sampler = make_sampler(api_token=TOKEN)
+    app = _app(sampler)
+
+    async def later() -> dict[str, str]:
+        return {"secret": "run data"}
+
+    app.add_api_route("/later/{item}", later, methods=["GET", "POST"])
+    assert {("GET", "/later/{item}"), ("POST", "/later/{item}")} <= app_routes(app)
+    with httpx.Client(base_url=sampler.url, timeout=30) as http:
+        assert check_closed(http, {("GET", "/later/{item}"), ("POST", "/later/{item}")}) == []
+        assert http.get("/later/x1", headers=AUTH).json() == {"secret": "run data"}
+
+
 def test_the_token_is_a_bearer_header_only(make_sampler):
     sampler = make_sampler(api_token=TOKEN)
     with httpx.Client(base_url=sampler.url, timeout=30) as http:
