@@ -3,6 +3,11 @@ a protocol-level trainer stand-in, result files.
 
 Every server a benchmark starts is a real process (Redis, the vLLM-protocol stand-in, the
 sampler), so the sampler's CPU time can be read from /proc and no two services share a GIL.
+
+Every stack is closed as a real run is (docs/operations.md, Security): `RUN_TOKEN`, made fresh
+for each benchmark process (secrets.token_urlsafe), goes to the stand-in, the inference servers
+and the sampler in their environment (TANDEM_API_TOKEN, never on a command line), and every
+read and write sends it (`AUTH`, `token_env()`, `trainer_loop`, `SamplerClient(api_token=RUN_TOKEN)`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import secrets
 import signal
 import statistics
 import subprocess
@@ -22,10 +28,21 @@ from typing import Any
 
 import httpx
 
+from shared.token_guard import TOKEN_ENV, bearer_headers
 from tests.support.servers import ServiceProcess, free_port, start_redis, start_sampler_process
 
 REPO = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# The token of every stack this benchmark process starts, and the header that carries it.
+RUN_TOKEN = secrets.token_urlsafe(16)
+AUTH = bearer_headers(RUN_TOKEN)
+
+
+def token_env(api_token: str | None = RUN_TOKEN) -> dict[str, str]:
+    """The environment that hands a server (`tandem sampler`, `tandem inference`, the stand-in)
+    the run's token; {} for an open one."""
+    return {TOKEN_ENV: api_token} if api_token else {}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -66,12 +83,14 @@ def redis_server(tmp: Path, appendfsync: str = "everysec") -> Iterator[str]:
 
 
 @contextmanager
-def standin_process(tmp: Path, token_latency: float) -> Iterator[ServiceProcess]:
+def standin_process(tmp: Path, token_latency: float, api_token: str | None = RUN_TOKEN) -> Iterator[ServiceProcess]:
+    """The stand-in as its own process, closed with `api_token` (all but /health)."""
     port = free_port()
     proc = ServiceProcess(
         [sys.executable, "-m", "services.inference.standin", "--port", str(port),
          "--token-latency", repr(token_latency)],
         name="standin", log_path=tmp / f"standin-{port}.log", ready_url=f"http://127.0.0.1:{port}/health",
+        env=token_env(api_token),
     )
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     try:
@@ -81,13 +100,16 @@ def standin_process(tmp: Path, token_latency: float) -> Iterator[ServiceProcess]
 
 
 @contextmanager
-def sampler_process(run_dir: Path, **settings: Any) -> Iterator[ServiceProcess]:
-    """The sampler as its own process. With BENCH_PYSPY=<file.svg|file.txt> set, py-spy
+def sampler_process(run_dir: Path, *, api_token: str | None = RUN_TOKEN, process_env: dict[str, str] | None = None,
+                    **settings: Any) -> Iterator[ServiceProcess]:
+    """The sampler as its own process, closed with `api_token` (every route but /health and
+    /metrics), which it also sends to its inference servers. With BENCH_PYSPY=<file.svg|file.txt> set, py-spy
     samples it for its whole life (flame graph, or collapsed stacks for .txt); with
     BENCH_PYSPY_GIL=1 too, only the thread holding the GIL is sampled (a thread waiting for
     the GIL otherwise counts as busy, which overstates the rollout log's worker thread)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = start_sampler_process(run_dir, log_level="warning", **settings)
+    proc = start_sampler_process(run_dir, log_level="warning", process_env={**(process_env or {}), **token_env(api_token)},
+                                 **settings)
     spy = _start_pyspy(proc.pid)
     try:
         yield proc
@@ -116,10 +138,11 @@ def _start_pyspy(pid: int) -> subprocess.Popen | None:
 
 
 async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: str | None = None,
-                       deadline_s: float = 600.0, on_step: Any = None) -> list[dict[str, Any]]:
+                       deadline_s: float = 600.0, on_step: Any = None,
+                       api_token: str | None = RUN_TOKEN) -> list[dict[str, Any]]:
     """A trainer stand-in over the real protocol: GET /batch?step=N (long-poll through 204s),
-    sleep `train_seconds`, POST /weights_version {version: N+1}. Returns one record per step:
-    the time the batch arrived, its stats and sample count."""
+    sleep `train_seconds`, POST /weights_version {version: N+1}, each with the run's token.
+    Returns one record per step: the time the batch arrived, its stats and sample count."""
     import asyncio
 
     from shared import codec
@@ -131,7 +154,8 @@ async def trainer_loop(url: str, steps: int, train_seconds: float, *, accept: st
     # (codec.ARRAYS, msgpack, JSON) is transcoded by the sampler, which costs it CPU.
     headers = {"Accept": accept or FRAMES}
     give_up = time.monotonic() + deadline_s
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0, read=60.0)) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0, read=60.0),
+                                 headers=bearer_headers(api_token)) as http:
         for step in range(steps):
             asked = time.perf_counter()
             while True:

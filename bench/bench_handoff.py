@@ -55,7 +55,9 @@ import numpy as np
 import redis as syncredis
 import redis.asyncio as aioredis
 
-from bench._common import REPO, host, median, redis_server, sampler_process, standin_process, write_results
+from bench._common import (
+    REPO, RUN_TOKEN, host, median, redis_server, sampler_process, standin_process, write_results,
+)
 from shared.client import SamplerClient
 
 COMMAND = "make bench ARGS=handoff  (or .venv/bin/python -m bench handoff)"
@@ -391,7 +393,7 @@ class Trainer:
         self.received: dict[str, float] = {}
 
     def client(self, encoding: str) -> SamplerClient:
-        client = SamplerClient(self.url, encoding=encoding, poll_timeout=60)
+        client = SamplerClient(self.url, encoding=encoding, poll_timeout=60, api_token=RUN_TOKEN)
         inner = client.get_batch_body
 
         async def timed(*args: Any, **kwargs: Any) -> tuple[str | None, Any]:

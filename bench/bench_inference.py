@@ -4,7 +4,8 @@ The server runs as its own process (`tandem inference`), as in a deployment, so 
 event loop does not share a GIL with the engine. Every level sends the same workload
 (`REQUESTS` completions of `MAX_TOKENS` tokens, `ignore_eos`, temperature 1) from
 `c` concurrent clients; c = 1 is the one-request-at-a-time baseline. Target: at c = 64
-batching gives >= 4x the baseline's tokens/s.
+batching gives >= 4x the baseline's tokens/s. The server is closed with the run's token
+(bench/_common.RUN_TOKEN, in its environment), which every request sends.
 
 Writes bench/results/inference.json and inference.md; `python -m bench inference`.
 """
@@ -25,6 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from bench._common import AUTH, token_env
 
 LEVELS = (1, 8, 64)
 REQUESTS = 64
@@ -76,11 +79,11 @@ async def _level(url: str, concurrency: int) -> dict:
             tokens += len(r.json()["choices"][0]["token_ids"])
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, headers=AUTH) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - start
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics")).raise_for_status().text
     peak = re.search(r"^tandem_inference_peak_batch_size\{[^}]*\} ([0-9.e+]+)$", metrics, re.MULTILINE)
     return {
         "concurrency": concurrency,
@@ -105,7 +108,7 @@ def run(results_dir: Path) -> dict:
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "services.cli", "inference", "--model", str(model),
                "--port", str(port), "--log-level", "warning"]
-        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env={**os.environ, **token_env()})
         try:
             _wait_healthy(url, proc)
             # Warm-up: first-call allocations and lazy imports are not throughput.
@@ -151,6 +154,7 @@ def run(results_dir: Path) -> dict:
 
 
 async def _level_warmup(url: str) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        await asyncio.gather(*(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
-                               for _ in range(8)))
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=AUTH) as client:
+        for r in await asyncio.gather(*(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+                                        for _ in range(8))):
+            r.raise_for_status()

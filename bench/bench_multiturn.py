@@ -66,7 +66,8 @@ import httpx
 from services.sampler.envs.multiturn import Conversation, Message
 from services.sampler.envs.parity_dialogue import ParityDialogueEnv
 from bench._common import (
-    CLK_TCK, REPO, cpu_seconds, host, median, redis_server, sampler_process, standin_process, trainer_loop, write_results,
+    AUTH, CLK_TCK, REPO, cpu_seconds, host, median, redis_server, sampler_process, standin_process, token_env,
+    trainer_loop, write_results,
 )
 
 class UniqueParityDialogue(ParityDialogueEnv):
@@ -150,7 +151,7 @@ def _env_args(turns: int) -> dict[str, int]:
 
 def _counts(sampler_url: str, standin_url: str | None) -> dict[str, float]:
     """The sampler's own counters (GET /status) and, with the stand-in, its completion-request count."""
-    status = httpx.get(sampler_url + "/status", timeout=30).json()
+    status = httpx.get(sampler_url + "/status", headers=AUTH, timeout=30).json()
     envs = status["environments"].values()
     out = {
         "turns": status["throughput"]["completions"],  # one completion per request (n = 1)
@@ -160,7 +161,7 @@ def _counts(sampler_url: str, standin_url: str | None) -> dict[str, float]:
         "pool_requests": sum(s["requests"] for s in status["inference_servers"]),
     }
     if standin_url:
-        stats = httpx.get(standin_url + "/_standin/stats", timeout=30).json()
+        stats = httpx.get(standin_url + "/_standin/stats", headers=AUTH, timeout=30).json()
         out["standin_completion_requests"] = stats["requests"]
         # Counted by the stand-in on arrival, as its completion requests are (the sampler's pool
         # counts differently at the window's ends, which matters once /tokenize is rare).
@@ -347,7 +348,8 @@ def _cpu_server_run(tmp: Path, model: Path, *, turns: int, max_tokens: int, batc
     url = f"http://127.0.0.1:{port}"
     server = ServiceProcess([sys.executable, "-m", "services.cli", "inference", "--model", str(model), "--port", str(port),
                              "--log-level", "warning"],
-                            name="inference", log_path=tmp / f"inference-{port}.log", ready_url=url + "/health")
+                            name="inference", log_path=tmp / f"inference-{port}.log", ready_url=url + "/health",
+                            env=token_env())
     try:
         server.wait_ready(120)
         with sampler_process(tmp / f"cpu-{uuid.uuid4().hex[:8]}", inference_urls=[url], max_staleness=0,

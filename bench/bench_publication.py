@@ -14,7 +14,8 @@ parameters; no hub), built here with random weights:
 
 Then the server's prompt logprobs are asked once (the probe the sampler sends), so a load that
 did not take effect would show. The trainer's other per-step work (the probe's forward, the
-POST) is the same for both and not counted.
+POST) is the same for both and not counted. The server is closed with the run's token
+(bench/_common.RUN_TOKEN), which the sync and the probe send, as the sampler's client does.
 
     .venv/bin/python -m bench publication
 """
@@ -32,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from bench._common import host, write_results
+from bench._common import AUTH, host, token_env, write_results
 from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
 from shared.http_client import HttpClient
 from shared.probe import probe_request
@@ -86,7 +87,7 @@ def _sync(url: str, load: tuple[str, dict[str, Any]], version: int) -> float:
              ("POST", "/reset_prefix_cache", {}), ("POST", "/resume", {}))
 
     async def sync() -> float:
-        http = HttpClient(max_connections=4, timeout=600)
+        http = HttpClient(max_connections=4, timeout=600, headers=AUTH)
         try:
             await http.request("GET", url + "/health")  # a warm connection, as the sampler's is
             t0 = time.perf_counter()
@@ -121,11 +122,11 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
                              "--port", str(port), "--served-model-name", name, "--enable-lora",
                              "--max-lora-rank", str(max(rank, 16)), "--log-level", "warning"],
                             name="inference", log_path=root / f"{name}-inference.log",
-                            ready_url=f"http://127.0.0.1:{port}/health")
+                            ready_url=f"http://127.0.0.1:{port}/health", env=token_env())
     try:
         server.wait_ready(600)
         server_url = f"http://127.0.0.1:{port}"
-        with httpx.Client() as http:
+        with httpx.Client(headers=AUTH) as http:
             # -- full weights
             write_s, load_s = [], []
             for i in range(repeats):

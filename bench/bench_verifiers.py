@@ -64,7 +64,9 @@ from typing import Any
 
 import httpx
 
-from bench._common import REPO, CLK_TCK, cpu_seconds, host, median, redis_server, sampler_process, standin_process, write_results
+from bench._common import (
+    AUTH, REPO, CLK_TCK, cpu_seconds, host, median, redis_server, sampler_process, standin_process, write_results,
+)
 from bench.bench_multiturn import _code_state, _main_thread_cpu, _median_range, _run_header
 
 COMMAND = ".venv/bin/python -m bench verifiers  (or make bench ARGS=verifiers)"
@@ -167,7 +169,7 @@ async def _consume(url: str, stop: asyncio.Event, records: list[dict[str, Any]])
     N + 1 at once, until `stop`."""
     from shared import codec
 
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0, read=120.0)) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0, read=120.0), headers=AUTH) as http:
         step = 0
         while not stop.is_set():
             response = await http.get("/batch", params={"step": step, "timeout": 5}, headers={"Accept": codec.ARRAYS})
@@ -327,7 +329,7 @@ async def _measure(sampler: Any, standin: Any, tmp: Path, cfg: dict[str, Any], r
     native = cfg["path"] == "native"
     warm_batches, warm_turns = (3, 0) if native else (0, TRAJECTORIES_PER_BATCH * turns)
     # A sampler whose event loop is busy with hundreds of episodes can answer /status late.
-    async with httpx.AsyncClient(timeout=120.0) as http:
+    async with httpx.AsyncClient(timeout=120.0, headers=AUTH) as http:
         started = time.perf_counter()
         while True:
             if consumer.done():
