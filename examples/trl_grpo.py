@@ -35,7 +35,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, required=True, help="optimizer steps (= sampler steps)")
     p.add_argument("--output-dir", required=True, help="TRL's output_dir; summary.json and published/ go here")
     p.add_argument("--api-token", default=os.environ.get("TANDEM_API_TOKEN"),
-                   help="the sampler's api_token (default: $TANDEM_API_TOKEN)")
+                   help="the run's token, which the sampler was started with; every route but /health "
+                        "needs it (default: $TANDEM_API_TOKEN)")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--loss", choices=("grpo", "dapo", "dr_grpo"), default="grpo",
                    help="TRL's loss_type; these three mean what the native trainer's --loss means")
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     world = PartialState(cpu=not torch.cuda.is_available()).num_processes
     link = SamplerLink(args.sampler_url, api_token=args.api_token)
     try:
+        link.check_token()  # a missing or wrong token said plainly, before GET /status (guarded too)
         status = link.status()
     finally:
         link.close()
