@@ -187,7 +187,18 @@ def test_dashboard_reloads_into_the_login_page_when_its_token_stops_working(make
     sampler = make_sampler(api_token=TOKEN)
     page.goto(f"{sampler.url}/?token={TOKEN}&interval=200")
     wait_live(page)
+    # The cookie is gone (cleared, expired): the next poll's 401 reloads into the login page.
     page.context.clear_cookies()
     page.wait_for_selector("text=needs its run token", timeout=15000)
     assert "has not been given the token yet" in page.text_content("#why")
     assert page.url == f"{sampler.url}/?interval=200"
+    page.fill("input[name=token]", TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_selector("#conn")
+    wait_live(page)
+    # The sampler restarts, on the same port, with a new token: the page keeps polling through
+    # the restart, then reloads into the login page, which says why.
+    sampler.stop()
+    make_sampler(api_token="a-new-token", port=sampler.port)
+    page.wait_for_selector("text=needs its run token", timeout=20000)
+    assert "no longer this run's" in page.text_content("#why")

@@ -391,8 +391,8 @@ function renderData(d) {
 
 // A 401 means this browser's token is no longer the run's (the sampler restarted with a new
 // one, or the cookie is gone): reload, so the sampler's page says how to get in instead of this
-// page showing "disconnected" forever. At most once a minute, in case something keeps answering
-// 401 to the polls while still serving the page.
+// page showing "disconnected" forever. Not again within a minute unless a poll succeeded in
+// between, in case something keeps answering 401 to the polls while still serving the page.
 const RELOAD_KEY = "tandem-dashboard-reloaded-at";
 
 function reloadForToken() {
@@ -415,6 +415,7 @@ async function tick() {
     renderStatus(status);
     renderData(data);
     $("conn").textContent = "live";
+    sessionStorage.removeItem(RELOAD_KEY);
     $("conn").className = "conn ok";
     document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
   } catch (err) {
