@@ -1,4 +1,5 @@
-"""Bad input against a live sampler process: fuzzing from its own OpenAPI schema, bearer-token
+"""Bad input against a live sampler process: fuzzing from its own OpenAPI schema (read and
+called with the run's token, which every route but /health and /metrics needs), bearer-token
 auth on every mutating operation, 413 for oversized bodies, hostile values the schema allows,
 and a dashboard that shows model output as text.
 
@@ -44,7 +45,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                                         max_body_bytes=MAX_BODY, max_poll_timeout=0.5, eval_examples=2,
                                         eval_concurrency=2)
         cleanup.add(lambda: stop_process(sampler))
-        schema_doc = httpx.get(f"{sampler.url}/openapi.json", timeout=10).json()
+        schema = httpx.get(f"{sampler.url}/openapi.json", timeout=10, headers=AUTH)
+        assert schema.status_code == 200, (schema.status_code, schema.text[:200])
+        schema_doc = schema.json()
         yield {"sampler": sampler, "url": sampler.url, "standin": standin, "schema": schema_doc}
     finally:
         cleanup.run()
@@ -72,7 +75,8 @@ def test_fuzzing_from_the_schema_finds_no_server_error(live: dict[str, Any]) -> 
     Driven through Hypothesis directly rather than schemathesis' pytest plugin, whose lazy
     fixture loader does not work with pytest 9; the cases and bounds are the same.
     """
-    loaded = schemathesis.openapi.from_url(f"{live['url']}/openapi.json")
+    # The schema is guarded like every route but /health and /metrics: it is read with the token.
+    loaded = schemathesis.openapi.from_url(f"{live['url']}/openapi.json", headers=AUTH, timeout=10)
     operations = [result.ok() for result in loaded.get_all_operations()]
     labels = {op.label for op in operations}
     assert {"GET /batch", "POST /weights_version", "POST /eval", "GET /eval/{eval_id}", "GET /status"} <= labels
@@ -87,6 +91,8 @@ def test_fuzzing_from_the_schema_finds_no_server_error(live: dict[str, Any]) -> 
             # Authorized, so that the fuzzer reaches the handlers behind the bearer check.
             response = case.call(headers=AUTH, timeout=15)
             seen.append(response.status_code)
+            # Never the token guard's 401: every case reaches the routes (or the fuzzing proves nothing).
+            assert response.status_code != 401, (case.method, case.formatted_path, response.text[:300])
             assert response.status_code < 500, (
                 f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}\n"
                 f"query={case.query} body={case.body!r}"
@@ -114,8 +120,10 @@ def test_every_mutating_operation_requires_the_token(live: dict[str, Any]) -> No
             allowed = http.request(method, _concrete(path), json=body, headers=AUTH)
             assert allowed.status_code not in (401, 403) and allowed.status_code < 500, \
                 (method, path, allowed.status_code, allowed.text)
-        # Reads stay open.
-        assert http.get("/status").status_code == 200
+        # Reads are closed too (every route but /health and /metrics): /status takes the token.
+        assert http.get("/status").status_code == 401
+        assert http.get("/status", headers=AUTH).status_code == 200
+        assert http.get("/health").status_code == 200
 
 
 def test_non_finite_numbers_in_bodies_are_422_not_500(live: dict[str, Any]) -> None:
@@ -151,9 +159,9 @@ def test_oversized_bodies_are_413_on_every_operation_that_takes_one(live: dict[s
                 for headers in (AUTH, {}):
                     response = http.request(method, _concrete(path), content=chunked() if streamed else big,
                                             headers={**headers, "content-type": "application/json"})
-                    # A declared length is refused before anything else; a streamed body without
-                    # the token may meet the bearer check first (401): refused either way.
-                    expected = {413, 401} if streamed and not headers else {413}
+                    # The run token is checked before anything else (TokenGuard is the outermost
+                    # layer): without it 401, declared length or not; with it, the body limit.
+                    expected = {413} if headers else {401}
                     assert response.status_code in expected, (method, path, streamed, response.status_code,
                                                               response.text[:200])
                     if response.status_code == 413:
