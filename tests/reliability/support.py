@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import redis as redis_py
 
+from shared.token_guard import bearer_headers
 from tests.support.servers import ServiceProcess, free_port, start_redis
 
 MSGPACK = {"Accept": "application/msgpack"}
@@ -203,7 +204,7 @@ def finish_after_restart(trainer: Trainer, url: str, detail: Callable[[], str] |
     restarted = time.monotonic()
     trainer.join(timeout)
     if trainer.is_alive():
-        status = httpx.get(f"{url}/status", timeout=30).json()
+        status = httpx.get(f"{url}/status", timeout=30, headers=bearer_headers(trainer.api_token)).json()
         raise AssertionError(f"the trainer did not finish within {timeout:.0f}s of Redis coming back: "
                              f"{len(trainer.batches)} batches; sampler steps: {status['steps']}; versions: "
                              f"{status['versions']}" + (f"\n{detail()}" if detail else ""))

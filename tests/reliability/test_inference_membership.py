@@ -41,7 +41,7 @@ def _sampler(run_dir: Path, cleanup: Cleanup, urls: list[str], **settings):
 
 
 def _members(url: str) -> dict[str, dict]:
-    return {s["url"]: s for s in httpx.get(f"{url}/inference_servers", timeout=10).json()["servers"]}
+    return {s["url"]: s for s in httpx.get(f"{url}/inference_servers", timeout=10, headers=AUTH).json()["servers"]}
 
 
 def _requests(standin) -> int:
@@ -134,7 +134,7 @@ def test_servers_leave_under_load_and_nothing_is_lost(tmp_path: Path, cleanup: C
     trainer = Trainer(url, 10, train_seconds=0.2, checkpoints=True, api_token=TOKEN)
     trainer.start()
     wait_for(lambda: len(trainer.published) >= 2 or not trainer.is_alive(), 60, "two steps")
-    wait_for(lambda: httpx.get(f"{url}/status", timeout=10).json()["inference_servers"][1]["outstanding"] > 0,
+    wait_for(lambda: httpx.get(f"{url}/status", timeout=10, headers=AUTH).json()["inference_servers"][1]["outstanding"] > 0,
              30, "requests in flight to the server about to leave")
 
     # A graceful leave: the answer comes once its requests in flight have finished.
@@ -146,7 +146,7 @@ def test_servers_leave_under_load_and_nothing_is_lost(tmp_path: Path, cleanup: C
     # A leave without waiting, then the server dies with requests in flight (hung: they cannot
     # finish): they are regenerated on the remaining server. Not a /pause: the trainer keeps
     # publishing, and each sync's resume would let them finish.
-    retries_before = httpx.get(f"{url}/status", timeout=10).json()["throughput"]["retries"]
+    retries_before = httpx.get(f"{url}/status", timeout=10, headers=AUTH).json()["throughput"]["retries"]
     httpx.post(f"{dying.url}/_standin/configure", json={"hung": True})
     wait_for(lambda: _members(url)[dying.url]["outstanding"] > 0, 30, "requests in flight to the dying server")
     gone = httpx.request("DELETE", f"{url}/inference_servers", json={"url": dying.url}, headers=AUTH,
@@ -161,4 +161,4 @@ def test_servers_leave_under_load_and_nothing_is_lost(tmp_path: Path, cleanup: C
     time.sleep(0.5)
     assert _requests(leaving) == after_leave, "a removed server got new work"
     assert set(_members(url)) == {steady.url}
-    assert httpx.get(f"{url}/status", timeout=10).json()["throughput"]["retries"] > retries_before
+    assert httpx.get(f"{url}/status", timeout=10, headers=AUTH).json()["throughput"]["retries"] > retries_before
