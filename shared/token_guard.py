@@ -135,7 +135,7 @@ class TokenGuard:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        path = self._route_path(scope)
         headers = scope.get("headers", [])
         given = bearer(headers)
         if path in self.open_paths:
@@ -171,10 +171,19 @@ class TokenGuard:
             if path in self.browser_paths and _accepts_html(headers):
                 why = ("The token this browser kept is no longer this run's (was the sampler restarted with a new one?)."
                        if cookie is not None else "This browser has not been given the token yet.")
-                await self._page(send, 401, LOGIN_PAGE.format(why=why, action=path))
+                await self._page(send, 401, LOGIN_PAGE.format(why=why, action=scope.get("root_path", "") + path))
                 return
         await self._deny(scope, send, f"{self.service} needs 'Authorization: Bearer <token>' with the run's token "
                          f"({TOKEN_ENV})")
+
+    @staticmethod
+    def _route_path(scope: Scope) -> str:
+        """The path as the app's routes name it: behind a proxy's prefix (`root_path`) the
+        server may put the prefix into `path` too."""
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):
+            return path[len(root):] or "/"
+        return path
 
     @staticmethod
     def _cookie_name(scope: Scope) -> str:
@@ -186,11 +195,11 @@ class TokenGuard:
         given = query.pop("token")[-1]
         if not token_matches(given, self.token):
             await self._page(send, 401, LOGIN_PAGE.format(why="That token is not this run's token.",
-                                                          action=scope.get("path", "/")))
+                                                          action=scope.get("root_path", "") + self._route_path(scope)))
             return
         # The token leaves the address bar (and the history) at once; the cookie carries it on.
         rest = urlencode(query, doseq=True)
-        location = scope.get("root_path", "") + scope.get("path", "/") + (f"?{rest}" if rest else "")
+        location = scope.get("root_path", "") + self._route_path(scope) + (f"?{rest}" if rest else "")
         cookie = f"{self._cookie_name(scope)}={quote(given, safe='')}; Path=/; HttpOnly; SameSite=Strict"
         await send({"type": "http.response.start", "status": 303,
                     "headers": [(b"location", location.encode("latin-1")), (b"set-cookie", cookie.encode("latin-1")),

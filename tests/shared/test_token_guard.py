@@ -251,3 +251,27 @@ def test_vllm_guard_refuses_to_build_without_the_token(serve, monkeypatch):
             response = http.get(path)
             assert response.status_code == 401 and response.json()["error"]["code"] == 401, path
             assert http.get(path, headers=bearer(TOKEN)).status_code == 200, path
+
+
+def behind_prefix(app: Any, prefix: str) -> Any:
+    """As uvicorn's --root-path serves an app: the prefix in `root_path`, and in `path` too."""
+
+    async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope = {**scope, "root_path": prefix, "path": prefix + scope["path"]}
+        await app(scope, receive, send)
+
+    return asgi
+
+
+def test_behind_a_proxy_prefix_the_open_paths_and_the_login_keep_their_names(serve):
+    guard = TokenGuard(tiny_app(), TOKEN, open_paths={"/health": None}, browser_paths=("/",))
+    server = serve(behind_prefix(guard, "/tandem"))
+    with httpx.Client(base_url=server.url, timeout=10, follow_redirects=False) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/data").status_code == 401
+        page = http.get("/", headers=HTML)
+        assert page.status_code == 401 and 'action="/tandem/"' in page.text
+        login = http.get("/", params={"token": TOKEN, "interval": "200"}, headers=HTML)
+        assert login.status_code == 303
+        assert login.headers["location"] == "/tandem/?interval=200"
