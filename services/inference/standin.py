@@ -139,7 +139,10 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        result = await _complete(st(request), await request.json(), request)
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body  # not a JSON object: 400, as vLLM answers
+        result = await _complete(st(request), body, request)
         return result if isinstance(result, JSONResponse) else Response(orjson.dumps(result), media_type="application/json")
 
     @app.post("/inference/v1/generate")
