@@ -27,15 +27,20 @@ import httpx
 import pytest
 
 from services.demo.processes import pid_alive
+from shared.token_guard import bearer_headers
 from tests.support.servers import REPO, free_port
 
 STEPS = 6
 K = 1
+# The run's token, given to the demo as a user would (TANDEM_API_TOKEN) so that the observer
+# can read the sampler and the inference server, which both need it (every route but /health).
+TOKEN = "demo-test-token"
 
 
 def start_demo(run_dir: Path, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["PYTHONUNBUFFERED"] = "1"
+    env["TANDEM_API_TOKEN"] = TOKEN
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "demo", "--run-dir", str(run_dir), *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -117,7 +122,7 @@ class Observer(threading.Thread):
 
     def run(self) -> None:
         deadline = time.monotonic() + 100
-        with httpx.Client() as client:
+        with httpx.Client(headers=bearer_headers(TOKEN)) as client:
             step = 0
             while step < self.steps and time.monotonic() < deadline and self.proc.poll() is None:
                 self._served_version(client)
@@ -187,7 +192,8 @@ def test_demo_trains_within_the_staleness_bound_and_leaves_nothing_running(tmp_p
     assert isinstance(summary["eval_reward_before"], float) and isinstance(summary["eval_reward_after"], float)
     assert 0.0 <= summary["staleness_mean"] <= K and 0.0 <= summary["trainer_wait_fraction"] <= 1.0
     assert summary["dashboard_url"] == f"http://127.0.0.1:{sampler_port}/"
-    assert f"http://127.0.0.1:{sampler_port}/" in out and "eval reward" in out
+    # The dashboard's address is printed with the token (the page keeps it in a cookie).
+    assert f"dashboard: http://127.0.0.1:{sampler_port}/?token={TOKEN}" in out and "eval reward" in out
 
     # Clean shutdown: every child exited by itself on SIGTERM, nothing is left running.
     pids = {**summary["pids"]}
