@@ -34,7 +34,7 @@ class TrainerSettings(TrackingSettings):
 
     sampler_url: str = Field(default="http://127.0.0.1:8100", description="the sampler's base URL")
     model: str = Field(default="", description="HF model directory to start from (required)")
-    api_token: str | None = Field(default=None, description="bearer token for the sampler's mutating endpoints")
+    api_token: str | None = Field(default=None, description="the run's token, sent as a bearer token with every request to the sampler")
 
     # Batch shape: per_device_batch_size * grad_accum_steps * world_size must equal the
     # sampler's prompts_per_step * num_generations (checked against GET /status at start-up).
