@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from typing import Any
 import httpx
 import redis as redis_py
 
-from shared.token_guard import bearer_headers
+from shared.token_guard import TOKEN_ENV, bearer_headers
 from tests.support.servers import ServiceProcess, free_port, start_redis
 
 MSGPACK = {"Accept": "application/msgpack"}
@@ -110,28 +111,46 @@ def start_redis_at(data_dir: Path, port: int | None = None, cleanup: Cleanup | N
 
 
 def start_standin_process(log_dir: Path, cleanup: Cleanup, token_latency: float = 0.0,
-                          port: int | None = None) -> ServiceProcess:
+                          port: int | None = None, api_token: str | None = None) -> ServiceProcess:
     """The inference stand-in as its own process, so that it can be killed -9 (and started
-    again on the same `port`: a fresh process, labelled version "0", as a restarted server is)."""
+    again on the same `port`: a fresh process, labelled version "0", as a restarted server is).
+    `api_token` reaches it in its environment (TANDEM_API_TOKEN), never on its command line."""
     port = port or free_port()
     proc = ServiceProcess(
         [sys.executable, "-m", "services.inference.standin", "--port", str(port),
          "--token-latency", str(token_latency)],
         name="standin", log_path=log_dir / f"standin-{port}.log", ready_url=f"http://127.0.0.1:{port}/health",
+        env={TOKEN_ENV: api_token} if api_token else None,
     )
     cleanup.add(lambda: stop_process(proc))
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     return proc.wait_ready(60)
 
 
-def sealed_steps(url: str) -> list[int]:
-    return httpx.get(f"{url}/status", timeout=30).json()["steps"]["sealed_steps"]
+def run_token() -> str:
+    """A fresh run token for one drill: its stack is closed, as every run is since issue 41."""
+    return secrets.token_urlsafe(16)
 
 
-def batch_bytes(url: str, step: int, timeout: float = 0.0) -> bytes | None:
-    """Batch `step` exactly as stored (msgpack); None when it is not sealed (yet)."""
-    response = httpx.get(f"{url}/batch", params={"step": step, "timeout": timeout}, headers=MSGPACK,
-                         timeout=timeout + 30)
+def assert_guarded(url: str, path: str, what: str) -> None:
+    """`GET url+path` is refused (401) without a token and with a wrong one: the drill's stack
+    really is closed, so a drill that passes also shows its clients send the run's token."""
+    for headers in ({}, bearer_headers("not-the-run-token")):
+        response = httpx.get(f"{url}{path}", headers=headers, timeout=30)
+        assert response.status_code == 401, (
+            f"{what} answered GET {path} {response.status_code} {'with a wrong token' if headers else 'without a token'}"
+            f", not 401: the drill's stack is not guarded")
+
+
+def sealed_steps(url: str, token: str | None = None) -> list[int]:
+    return httpx.get(f"{url}/status", timeout=30, headers=bearer_headers(token)).json()["steps"]["sealed_steps"]
+
+
+def batch_bytes(url: str, step: int, timeout: float = 0.0, token: str | None = None) -> bytes | None:
+    """Batch `step` exactly as stored (msgpack); None when it is not sealed (yet). `token`: the
+    run's token, for a sampler started with one."""
+    response = httpx.get(f"{url}/batch", params={"step": step, "timeout": timeout},
+                         headers={**MSGPACK, **bearer_headers(token)}, timeout=timeout + 30)
     if response.status_code == 204:
         return None
     assert response.status_code == 200, (step, response.status_code, response.text[:300])

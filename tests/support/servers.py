@@ -151,10 +151,11 @@ def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "eve
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def start_standin(token_latency: float = 0.0, version: str = "0") -> UvicornThread:
+def start_standin(token_latency: float = 0.0, version: str = "0", api_token: str | None = None) -> UvicornThread:
+    """The stand-in served from a thread; with `api_token` every route but /health needs it."""
     from services.inference.standin import create_standin_app
 
-    return UvicornThread(create_standin_app(token_latency, version)).start()
+    return UvicornThread(create_standin_app(token_latency, version, api_token)).start()
 
 
 def sampler_argv(port: int, **settings: Any) -> list[str]:
