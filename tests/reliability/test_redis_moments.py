@@ -17,7 +17,10 @@ Every run checks: all steps arrived in order, each exactly once, within the stal
 every batch the trainer got is what the sampler serves afterwards, byte for byte on repeated
 reads; no step is missing; no step waited over 60 s on the sampler (fetch and publish); the
 heals are the ones the moment implies;
-the sampler logged no traceback. `make stress` runs it with the moment and outage varied.
+the sampler logged no traceback. The stack is closed with a run token of its own (the
+stand-in, the sampler through its environment, the trainer; every read sends it), and the
+drill checks the sampler and the stand-in refuse a request without it. `make stress` runs it
+with the moment and outage varied.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ import httpx
 import pytest
 
 from shared import codec
+from shared.token_guard import TOKEN_ENV, bearer_headers
 from tests.reliability.support import (
     Cleanup,
     Trainer,
+    assert_guarded,
     batch_bytes,
     check_batches,
     finish_after_restart,
+    run_token,
     start_redis_at,
     stop_process,
     wait_for,
@@ -77,7 +83,8 @@ def moment_drill(tmp: Path, cleanup: Cleanup, moment: str, *, lossy: bool = Fals
     if release_during_outage is None:
         release_during_outage = not lossy
     fsync = "everysec" if lossy else "always"
-    standin = start_standin(token_latency=0.002)
+    token = run_token()
+    standin = start_standin(token_latency=0.002, api_token=token)
     cleanup.add(standin.stop)
     data = tmp / "redis"
     redis_proc, redis_url = start_redis_at(data, cleanup=cleanup, appendfsync=fsync)
@@ -85,11 +92,14 @@ def moment_drill(tmp: Path, cleanup: Cleanup, moment: str, *, lossy: bool = Fals
     drill_dir = tmp / "drill"
     pauses = [f"{point}:{AT}"] + ([f"{earlier}:{AT}"] if lossy else [])
     sampler = start_sampler_process(
-        tmp / "sampler", process_env={"TANDEM_DRILL_PAUSE": ",".join(pauses), "TANDEM_DRILL_DIR": str(drill_dir)},
+        tmp / "sampler",
+        process_env={"TANDEM_DRILL_PAUSE": ",".join(pauses), "TANDEM_DRILL_DIR": str(drill_dir), TOKEN_ENV: token},
         redis_url=redis_url, inference_urls=[standin.url], env="tests.support.envs:CountEnv", prompts_per_step=4,
         num_generations=4, max_tokens=6, max_staleness=1, keep_batches=32)
     cleanup.add(lambda: stop_process(sampler))
-    trainer = Trainer(sampler.url, STEPS, train_seconds=0.2)
+    assert_guarded(sampler.url, "/status", "the sampler")
+    assert_guarded(standin.url, "/v1/models", "the stand-in")
+    trainer = Trainer(sampler.url, STEPS, train_seconds=0.2, api_token=token)
     trainer.start()
     aof = data / "appendonly.aof"
     kept = None
@@ -120,10 +130,10 @@ def moment_drill(tmp: Path, cleanup: Cleanup, moment: str, *, lossy: bool = Fals
     check_batches(trainer, max_staleness=1)
 
     # Every batch the trainer got is what the sampler serves now, and every read is the same bytes.
-    with httpx.Client(base_url=sampler.url, timeout=30) as http:
+    with httpx.Client(base_url=sampler.url, timeout=30, headers=bearer_headers(token)) as http:
         for batch in trainer.batches:
-            first = batch_bytes(sampler.url, batch["step"])
-            assert first is not None and batch_bytes(sampler.url, batch["step"]) == first
+            first = batch_bytes(sampler.url, batch["step"], token=token)
+            assert first is not None and batch_bytes(sampler.url, batch["step"], token=token) == first
             assert codec.unpack(first) == codec.plain(batch), f"batch {batch['step']} changed after the crash"
         status = http.get("/status").json()
     steps = status["steps"]
