@@ -12,6 +12,9 @@ Each drill checks: the rerun exits 0 having trained to the end; every step has e
 record in trainer_metrics.jsonl, on the sampler's own batch for that step, the steps trained a
 second time marked `retrained` and no others; the sampler serves the final version and its
 `checkpoint_path` exists; no staging directory is left; no traceback in the rerun's log.
+The stack is closed with a run token of its own (the inference server, the sampler and both
+trainer runs get it in their environment; every read sends it), and the drill checks the
+sampler and the inference server refuse a request without it.
 `make stress --drill trainer` runs the same drill 30 times, the moment varied (pause points in
 different steps, and kills after a random delay).
 """
@@ -34,7 +37,15 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.drill import POINTS
 from services.trainer.step_record import batch_digest
 from shared.client import SamplerClient
-from tests.reliability.support import Cleanup, kill_embedded_redis, stop_process, wait_for
+from shared.token_guard import TOKEN_ENV, bearer_headers
+from tests.reliability.support import (
+    Cleanup,
+    assert_guarded,
+    kill_embedded_redis,
+    run_token,
+    stop_process,
+    wait_for,
+)
 from tests.support.servers import ServiceProcess, UvicornThread, start_sampler_process
 
 ENV = "tests.trainer.letter_env:LetterEnv"
@@ -48,8 +59,8 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-async def _digests(url: str, steps: list[int]) -> list[str]:
-    async with SamplerClient(url, retry_for=30) as client:
+async def _digests(url: str, steps: list[int], token: str) -> list[str]:
+    async with SamplerClient(url, retry_for=30, api_token=token) as client:
         return [batch_digest(await client.get_batch(step, timeout=30)) for step in steps]
 
 
@@ -61,31 +72,38 @@ def trainer_argv(model: Path, url: str, run_dir: Path) -> list[str]:
             "--no-eval-at-end", "--poll-timeout", "10"]
 
 
-def start_stack(tmp: Path, cleanup: Cleanup, model: Path) -> ServiceProcess:
-    """A real CPU inference server and a sampler process (embedded Redis, keep_batches 1)."""
+def start_stack(tmp: Path, cleanup: Cleanup, model: Path, token: str) -> ServiceProcess:
+    """A real CPU inference server and a sampler process (embedded Redis, keep_batches 1),
+    both closed with the run's `token` (the sampler's through its environment); checks they
+    refuse a request without it."""
     from services.inference.config import InferenceSettings
     from services.inference.server import create_app
 
-    inference = UvicornThread(create_app(InferenceSettings(model=str(model)))).start()
+    inference = UvicornThread(create_app(InferenceSettings(model=str(model), api_token=token))).start()
     cleanup.add(inference.stop)
     sampler_dir = tmp / "sampler"
     cleanup.add(lambda: kill_embedded_redis(sampler_dir))
-    sampler = start_sampler_process(sampler_dir, inference_urls=[inference.url], env=ENV, prompts_per_step=2,
-                                    num_generations=4, max_tokens=8, max_staleness=1, keep_batches=1)
+    sampler = start_sampler_process(sampler_dir, process_env={TOKEN_ENV: token}, inference_urls=[inference.url],
+                                    env=ENV, prompts_per_step=2, num_generations=4, max_tokens=8, max_staleness=1,
+                                    keep_batches=1)
     cleanup.add(lambda: stop_process(sampler))
+    assert_guarded(sampler.url, "/status", "the sampler")
+    assert_guarded(inference.url, "/v1/models", "the inference server")
     return sampler
 
 
-def start_trainer(tmp: Path, cleanup: Cleanup, model: Path, url: str, run_dir: Path, name: str,
+def start_trainer(tmp: Path, cleanup: Cleanup, model: Path, url: str, run_dir: Path, name: str, token: str,
                   pause: str = "") -> ServiceProcess:
-    """The trainer command; `pause` ("point:step") stops it at that drill point."""
-    env = {"OMP_NUM_THREADS": "1", "TANDEM_TRAINER_DRILL_PAUSE": pause, "TANDEM_DRILL_DIR": str(tmp / "drill")}
+    """The trainer command, the run's `token` in its environment (never on its command line);
+    `pause` ("point:step") stops it at that drill point."""
+    env = {"OMP_NUM_THREADS": "1", "TANDEM_TRAINER_DRILL_PAUSE": pause, "TANDEM_DRILL_DIR": str(tmp / "drill"),
+           TOKEN_ENV: token}
     proc = ServiceProcess(trainer_argv(model, url, run_dir), name="trainer", log_path=tmp / f"{name}.log", env=env)
     cleanup.add(lambda: stop_process(proc))
     return proc
 
 
-def check_finished(run_dir: Path, url: str, *, resume_at: int, published_at_kill: int,
+def check_finished(run_dir: Path, url: str, *, resume_at: int, published_at_kill: int, token: str,
                    logs: Callable[[], str]) -> list[int]:
     """After the rerun: one record per step, the retrained ones marked, the same batches, the
     final version served from a directory that exists, nothing staged left. Returns the
@@ -99,14 +117,16 @@ def check_finished(run_dir: Path, url: str, *, resume_at: int, published_at_kill
         f"retrained {retrained}; resumed at {resume_at}, the sampler had version {published_at_kill}")
     # Trained on the sampler's batches: those it still keeps, and for a step trained twice,
     # the same batch both times.
-    kept = [n for n in numbers if n >= httpx.get(f"{url}/status", timeout=30).json()["steps"]["trimmed_below"]]
-    assert [steps[n]["batch_digest"] for n in kept] == asyncio.run(_digests(url, kept)), "trained on other batches"
+    auth = bearer_headers(token)
+    trimmed_below = httpx.get(f"{url}/status", timeout=30, headers=auth).json()["steps"]["trimmed_below"]
+    kept = [n for n in numbers if n >= trimmed_below]
+    assert [steps[n]["batch_digest"] for n in kept] == asyncio.run(_digests(url, kept, token)), "trained on other batches"
     superseded = run_dir / "trainer_metrics.superseded.jsonl"
     for line in superseded.read_text().splitlines() if superseded.exists() else []:
         old = json.loads(line)
         assert old["batch_digest"] == steps[old["step"]]["batch_digest"], f"step {old['step']} retrained on another batch"
     assert all(r.get("loss") is not None for r in steps[resume_at:]), "the resumed steps did not train"
-    served = httpx.get(f"{url}/weights_version", timeout=30).json()
+    served = httpx.get(f"{url}/weights_version", timeout=30, headers=auth).json()
     assert served["version"] == MAX_STEPS and all(s["version"] == MAX_STEPS for s in served["servers"]), served
     assert Path(served["checkpoint_path"]).is_dir(), f"the served {served['checkpoint_path']} was deleted"
     leftovers = list(run_dir.glob("*/.tmp-*"))
@@ -120,9 +140,10 @@ def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | No
     point `delay` seconds after the metrics line of step `step - 1` (anywhere in step `step`
     or the next), then the same command run again to the end. Returns what the stress report
     needs; raises AssertionError naming what broke."""
-    sampler = start_stack(tmp, cleanup, model)
+    token = run_token()
+    sampler = start_stack(tmp, cleanup, model, token)
     url, run_dir = sampler.url, tmp / "trainer"
-    first = start_trainer(tmp, cleanup, model, url, run_dir, "trainer-1", f"{point}:{step}" if point else "")
+    first = start_trainer(tmp, cleanup, model, url, run_dir, "trainer-1", token, f"{point}:{step}" if point else "")
     second = None
 
     def logs() -> str:
@@ -140,16 +161,17 @@ def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | No
         time.sleep(delay)
         assert first.popen.poll() is None, f"the run ended before the kill; nothing was tested\n{logs()}"
     first.kill()
-    published_at_kill = httpx.get(f"{url}/weights_version", timeout=30).json()["version"]
+    published_at_kill = httpx.get(f"{url}/weights_version", timeout=30, headers=bearer_headers(token)).json()["version"]
     checkpoint_at_kill = ckpt.latest_checkpoint(run_dir)
     resume_at = checkpoint_at_kill[0] + 1 if checkpoint_at_kill else 0
 
     t0 = time.monotonic()
-    second = start_trainer(tmp, cleanup, model, url, run_dir, "trainer-2")
+    second = start_trainer(tmp, cleanup, model, url, run_dir, "trainer-2", token)
     wait_for(lambda: second.popen.poll() is not None, 240, "the rerun to finish", interval=0.2, detail=logs)
     assert second.popen.returncode == 0, f"the rerun failed\n{logs()}"
     assert "Traceback" not in second.log_tail(100_000), logs()
-    retrained = check_finished(run_dir, url, resume_at=resume_at, published_at_kill=published_at_kill, logs=logs)
+    retrained = check_finished(run_dir, url, resume_at=resume_at, published_at_kill=published_at_kill, token=token,
+                               logs=logs)
     return {"moment": f"{point} {step}" if point else f"{delay:.2f}s after step {step - 1}",
             "published_at_kill": published_at_kill, "resumed_at": resume_at, "retrained": len(retrained),
             "recovered": time.monotonic() - t0}
