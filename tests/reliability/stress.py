@@ -20,6 +20,11 @@ Drills:
 * `external` / `embedded` (tests/reliability/test_redis_crash.py): Redis killed -9 after the
   trainer's third step, restarted by the drill (external) or the sampler's watchdog (embedded).
 
+Every run's stack is closed, as every run is (issue 41), with a token of its own: the inference
+server or stand-in, the sampler (in its environment) and the trainer get it, every read the
+drill makes sends it, and each run checks the sampler and the inference server answer 401
+without it.
+
 `--load N` runs N busy processes (one core each) for the whole stress run. The report (runs,
 failures, seconds from Redis's restart to the trainer's last step, the longest a step waited
 on the sampler) is printed and written to bench/results/stress-<drill>.md; a failed run's files are kept
