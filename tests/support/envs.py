@@ -101,3 +101,11 @@ class EchoDialogue(MultiTurnEnvironment):
             self.failed.add(convo.example.prompt_id)
             raise RuntimeError(f"env broke once on {key}")
         return [{"role": "user", "content": f"next {len(convo.turns)}"}]
+
+
+def broken_env(missing: str = "") -> Environment:
+    """A native environment factory that fails as user code does while it builds: an import of
+    a package that is not installed (`missing`), else a plain error."""
+    if missing:
+        __import__(missing)
+    raise RuntimeError("the prompt file could not be parsed at line 3")

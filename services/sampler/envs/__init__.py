@@ -7,6 +7,7 @@ from typing import Any
 
 from services.sampler.plugins import load_by_path
 from services.sampler.envs.base import Completion, Environment, Example, Reward
+from services.sampler.envs.failures import EnvironmentLoadError, describe
 from services.sampler.envs.multiturn import Conversation, Message, MultiTurnEnvironment, Tool, Turn
 
 BUILTINS = {
@@ -19,7 +20,18 @@ BUILTINS = {
 
 def load_environment(name: str, **kwargs: Any) -> Environment:
     """`name` is a built-in (see BUILTINS), 'package.module:factory', or 'verifiers:<taskset-id>'
-    (a verifiers environment; `kwargs` are then its [env] block, services/sampler/vf)."""
+    (a verifiers environment; `kwargs` are then its [env] block, services/sampler/vf).
+
+    Whatever fails while the environment is imported, built or checked (a taskset, a harness,
+    a factory, a missing nltk resource) is raised as EnvironmentLoadError: one line with the
+    environment's id, the exception and, when known, what to do (envs/failures.py)."""
+    try:
+        return _build(name, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - user code can raise anything; each is said in one line
+        raise EnvironmentLoadError(describe(name, exc)) from exc
+
+
+def _build(name: str, **kwargs: Any) -> Environment:
     if name.startswith("verifiers:"):
         from services.sampler.vf.environment import VerifiersEnvironment
 
@@ -49,5 +61,5 @@ def check_environment(env: Environment) -> None:
         env.check()
 
 
-__all__ = ["Completion", "Conversation", "Environment", "Example", "Message", "MultiTurnEnvironment", "Reward",
-           "Tool", "Turn", "check_environment", "load_environment"]
+__all__ = ["Completion", "Conversation", "Environment", "EnvironmentLoadError", "Example", "Message",
+           "MultiTurnEnvironment", "Reward", "Tool", "Turn", "check_environment", "load_environment"]
