@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.sampler.envs.base import Completion, Environment, Example, Split
-from services.sampler.vf.loader import PREFIX, env_config, import_verifiers, split_blocks
+from services.sampler.vf.loader import PREFIX, env_config, import_verifiers, split_blocks, split_limits
 from services.sampler.vf.sessions import Session, Sessions
 from services.sampler.vf.traces import Scored, completion_of, trainable_trace
 
@@ -96,6 +96,7 @@ class VerifiersEnvironment(Environment):
         absolute_pythonpath()
         self.taskset_id = taskset_id
         self.name = PREFIX + taskset_id
+        env_args, self.limits = split_limits(env_args)
         train_block, eval_block = split_blocks(env_args)
         train = self.vf.load_environment(env_config(taskset_id, train_block))
         evaluate = self.vf.load_environment(env_config(taskset_id, eval_block)) if eval_block is not None else train
@@ -106,10 +107,16 @@ class VerifiersEnvironment(Environment):
         self._lock = asyncio.Lock()
 
     def _load(self, split: str, env: Any) -> list[Example]:
+        # The first `limit` tasks, in the taskset's own (seeded) order: a restarted sampler
+        # indexes the same ones, so batch N is built from the same examples again.
         taskset = env.taskset
-        if not taskset.bounded:
+        limit = self.limits[split]
+        if limit is not None:
+            taskset = taskset.take(limit)
+        elif not taskset.bounded:
             raise ValueError(f"verifiers taskset {self.taskset_id!r} is infinite; the sampler needs a dataset it "
-                             "can order and index: give the taskset a bounded config (a size field) in env-args")
+                             f"can order and index: bound its {split} split with the Tandem key 'limit' in env-args, "
+                             '{"limit": N} for both splits or {"limit": {"train": N, "eval": M}}')
         examples = []
         for task in taskset:
             prompt_id = f"{split}:{task.data.id if task.data.id is not None else task.data.idx}"

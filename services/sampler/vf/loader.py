@@ -13,9 +13,15 @@ verifiers' command line, for a trainer on a couple of GPUs rather than an eval f
   which needs an account and the network.
 
 A role's own defaults, from its env's config class, stand (user-sim's user keeps its `null`
-harness). One Tandem key is read and removed before verifiers sees the block: `eval`, an
-`[env]` block merged over the training one for `POST /eval` (e.g. `{"taskset": {"split":
-"test"}}` for a taskset with a split field). Without it, evals run the training tasks.
+harness). Two Tandem keys are read and removed before verifiers sees the block:
+
+* `eval`, an `[env]` block merged over the training one for `POST /eval` (e.g. `{"taskset":
+  {"split": "test"}}` for a taskset with a split field). Without it, evals run the training
+  tasks.
+* `limit`, the number of tasks the sampler indexes, the first ones the taskset yields: `N` for
+  both splits, or `{"train": N, "eval": M}`. An infinite taskset (TextArena's games generate
+  episodes forever) needs one for every split it serves; verifiers bounds such tasksets with its
+  run-level `select`, which an `[env]` block cannot carry.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any
 
 PREFIX = "verifiers:"
 EVAL_KEY = "eval"
+LIMIT_KEY = "limit"
+SPLITS = ("train", "eval")
 DEFAULT_HARNESS = "tandem-chat"
 DEFAULT_RUNTIME = {"type": "subprocess"}
 
@@ -94,3 +102,21 @@ def split_blocks(block: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] 
     if over is not None and not isinstance(over, dict):
         raise ValueError(f"env-args 'eval' must be an [env] block (an object) merged over the training one, got {over!r}")
     return train, (merged(train, over) if over is not None else None)
+
+
+def split_limits(block: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int | None]]:
+    """(`block` without `limit`, the task limit of each split: None where none was given)."""
+    rest = dict(block)
+    given = rest.pop(LIMIT_KEY, None)
+    if given is None:
+        return rest, dict.fromkeys(SPLITS)
+    per_split = given if isinstance(given, dict) else dict.fromkeys(SPLITS, given)
+    unknown = sorted(set(per_split) - set(SPLITS))
+    if unknown:
+        raise ValueError(f"env-args 'limit' names {unknown}: its keys are 'train' and 'eval'")
+    for split, value in per_split.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"env-args 'limit' must be a positive number of tasks, or {{\"train\": N, \"eval\": M}}; "
+                             f"got {value!r} for {split}")
+    return rest, {split: per_split.get(split) for split in SPLITS}
+
