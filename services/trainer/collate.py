@@ -13,10 +13,13 @@ Layout of one micro-batch of B samples, L = longest prompt + completion:
 
 Two kinds of token carry no loss even where the sample's `loss_mask` says 1:
 
-* with `mask_truncated`, every token of a completion cut off at max_tokens
+* with `mask_truncated`, every token of a sample whose episode ran out of room
   (`finish_reason == "length"`, TRL's `mask_truncated_completions`): its reward judges an
-  unfinished answer. The sample stays in the batch with zero loss tokens, and the `grpo`
-  normaliser, which counts only sequences that have loss tokens, leaves it out;
+  unfinished answer. The sampler says "length" by one rule on every path (a full context, or
+  a last reply cut at max_tokens that nothing else ended: docs/environments.md, "How an
+  episode ended"), so an episode its environment ended after a cut reply keeps its loss.
+  The sample stays in the batch with zero loss tokens, and the `grpo` normaliser, which
+  counts only sequences that have loss tokens, leaves it out;
 * a token whose behaviour logprob is not finite (NaN or inf). The sampler never sends one;
   if it did, no importance ratio could be formed for it. Its value is stored as 0.0 so that
   nothing downstream meets a NaN.

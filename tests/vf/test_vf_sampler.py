@@ -69,7 +69,9 @@ async def test_single_turn_samples_are_what_the_server_sampled(make_sampler, cpu
         answer = "eo"[int(s.prompt_text.rsplit(" ", 1)[1]) % 2]
         text = tokenizer.decode(s.completion_token_ids, skip_special_tokens=True)
         assert s.reward == s.rewards["correct"] == float(text.lstrip()[:1] == answer)
-        assert s.model_extra["metrics"] == {"reply_chars": float(len(text.strip()))}
+        metrics = s.model_extra["metrics"]
+        assert metrics.pop(f"turn_finish/{s.finish_reason}") == metrics.pop(f"last_turn_finish/{s.finish_reason}") == 1
+        assert metrics == {"reply_chars": float(len(text.strip()))}  # one call: its reason is the sample's
         # Token for token: the behaviour logprobs are the server's logprobs of these very ids.
         rows = await server_logprobs(root(cpu_server), s.prompt_token_ids + s.completion_token_ids)
         start = len(s.prompt_token_ids)
@@ -183,7 +185,7 @@ async def test_a_tool_call_runs_on_the_tasksets_tool_server_and_its_answer_is_ma
         # Trained on: the two sampled turns, as sampled; not the tool's answer nor the template's.
         trained = bytes(t for t, m in zip(s.completion_token_ids, s.loss_mask) if m)
         assert trained == (call + "5").encode(), trained
-        assert s.model_extra["metrics"] == {"tool_calls": 1.0}
+        assert s.model_extra["metrics"] == {"tool_calls": 1.0, "turn_finish/stop": 2.0, "last_turn_finish/stop": 1.0}
     assert all(s.reward == float(s.prompt_text == "add 2 and 3") for s in samples)
     counts = (await status(sampler))["environments"]["verifiers:tandem-vf-tools"]
     assert counts["tool_calls"] == counts["trajectories"] and counts["forks"] == 0

@@ -11,14 +11,17 @@ opening prompt, every id of every turn:
 
 so the trainer scores exactly the ids that were sampled, in the context they were sampled
 in. The conversation ends when the environment says so, after `max_turns` model turns, or
-when the context is full: then `finish_reason` is "length" (the sampler's
-`mask_truncated_completions` applies), otherwise "stop".
+when the context is full. Only a full context makes `finish_reason` "length" (the trainer's
+`mask_truncated_completions` applies): a last turn cut by `max_tokens` that the environment
+or `max_turns` then ended did not end the episode, so it is "stop" (docs/environments.md,
+"How an episode ended"). How each turn's call ended stays in the sample's `metrics`
+(`finish_metrics`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from services.sampler.envs.base import Completion, Example
@@ -112,7 +115,22 @@ async def run_conversation(env: MultiTurnEnvironment, example: Example, *, gener
         versions=sorted(versions),
         loss_mask=mask,
         conversation=convo,
+        metrics=finish_metrics([t.finish_reason for t in convo.turns]) or None,
     )
+
+
+def finish_metrics(reasons: Sequence[str]) -> dict[str, float]:
+    """How each model call of an episode ended, for the sample's `metrics`: the sample's own
+    `finish_reason` says how the episode ended, which hides a last reply cut by `max_tokens`
+    that the environment then ended. `turn_finish/<reason>` counts the calls that ended so,
+    `last_turn_finish/<reason>` is 1.0 for the last call's. The names hold a "/", which a
+    `@vf.metric` (named after its function) cannot, so they do not clash with an environment's."""
+    out: dict[str, float] = {}
+    for reason in reasons:
+        out[f"turn_finish/{reason}"] = out.get(f"turn_finish/{reason}", 0.0) + 1.0
+    if reasons:
+        out[f"last_turn_finish/{reasons[-1]}"] = 1.0
+    return out
 
 
 def transcript(convo: Conversation, opening: int) -> str:

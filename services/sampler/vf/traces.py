@@ -18,9 +18,14 @@ logprobs, its reward, its metrics.
   `loss_mask` 1 on sampled tokens only (and 0 on a sampled token the server gave no
   logprob for, vf/sessions.py). Logprobs are the sampled ones, 0.0 elsewhere.
 * **Versions.** Those of the model calls whose prompt and answer this branch contains.
-* **finish_reason.** The last model call's, or "length" when the last call was refused and
-  the harness ended there (the context was full: `tandem-chat` ends a conversation so, as
-  verifiers' own chat loop does without compaction).
+* **finish_reason.** How the episode ended, by the one rule of docs/environments.md ("How an
+  episode ended"): "length" when it ran out of room (the last call was refused and the
+  harness ended there, the context being full: `tandem-chat` ends a conversation so, as
+  verifiers' own chat loop does without compaction; or a verifiers token budget stopped it),
+  or when the last reply was cut by `max_tokens` and that reply ended the episode (the agent's
+  program finished with it); otherwise "stop". A cut reply after which the env closed the
+  exchange (a game that ended), `max_turns` or a `@stop` ended the episode is "stop". The
+  calls' own reasons are in the sample's `metrics` (`multiturn.conversation.finish_metrics`).
 * **Reward.** `trace.reward` (the weighted sum of `@vf.reward`s); `rewards` by name, raw
   scores; `@vf.metric`s go to the sample's `metrics` (the rollout log keeps them).
 """
@@ -30,10 +35,17 @@ from __future__ import annotations
 from typing import Any
 
 from services.sampler.envs.base import Completion
-from services.sampler.multiturn.conversation import EnvFault
+from services.sampler.multiturn.conversation import EnvFault, finish_metrics
 from services.sampler.vf.sessions import Session
 
 Scored = tuple[float, dict[str, float]]
+
+# verifiers' stop conditions for a token budget spent: the episode ran out of room, as with a
+# full context.
+OUT_OF_ROOM = frozenset({"max_input_tokens", "max_output_tokens", "max_total_tokens", "compaction_failed"})
+# The agent's program ended by itself (`tandem-chat`: an answer without tool calls), so its last
+# reply ended the episode; None: no condition was recorded, nothing else ended it either.
+AGENT_ENDED = frozenset({"agent_completed", None})
 
 
 def trace_errors(traces: list[Any], episode: Any) -> str:
@@ -86,30 +98,40 @@ def completion_of(trace: Any, session: Session | None, min_version: int) -> tupl
     first = completion_start(branch)
     loss_mask = [int(m) for m in mask[first:]]
     versions: set[int] = set()
-    finish = "stop"
+    reasons: list[str] = []
     for call in session.calls if session is not None else []:
         whole = call.prompt_ids + call.completion_ids
         if ids[: len(whole)] != whole:
             continue  # a call of another branch
         versions.update(call.versions)
-        finish = call.finish_reason if call.finish_reason in ("stop", "length") else "stop"
+        reasons.append(call.finish_reason)
         for position in call.masked:
             loss_mask[len(call.prompt_ids) + position - first] = 0
-    if trace.calls and trace.calls[-1].error is not None:
-        finish = "length"  # its last model call was refused and the harness ended there: the context was full
     parts = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
-    metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None}
+    metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None} | finish_metrics(reasons)
     completion = Completion(
         text=transcript(branch.messages),
         prompt_token_ids=ids[:first],
         token_ids=ids[first:],
         logprobs=[float(x) if m else 0.0 for x, m in zip(logprobs[first:], mask[first:])],
-        finish_reason=finish,
+        finish_reason=episode_finish(trace, reasons[-1] if reasons else None),
         versions=sorted(versions) or [min_version],
         loss_mask=loss_mask,
         metrics=metrics or None,
     )
     return completion, (float(trace.reward), parts), forks
+
+
+def episode_finish(trace: Any, last_reason: str | None) -> str:
+    """The sample's finish_reason: "length" only when the episode ended for lack of room (module
+    docstring); `last_reason` is the branch's last model call's own."""
+    if trace.calls and trace.calls[-1].error is not None:
+        return "length"  # its last model call was refused and the harness ended there: the context was full
+    if trace.stop_condition in OUT_OF_ROOM:
+        return "length"
+    if last_reason == "length" and trace.stop_condition in AGENT_ENDED:
+        return "length"  # the cut reply was the agent's last word: nothing else ended the episode
+    return "stop"
 
 
 def transcript(messages: list[Any]) -> str:
