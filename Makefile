@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU build; an unpinned resolve would pull CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[cpu,dev,trl,verifiers,wandb,tensorboard]'
+	$(PY) -m pip install --quiet -e '.[cpu,dev,trl,verifiers,reasoning-gym,wandb,tensorboard]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -19,8 +19,9 @@ BUILTINS = {
 
 
 def load_environment(name: str, **kwargs: Any) -> Environment:
-    """`name` is a built-in (see BUILTINS), 'package.module:factory', or 'verifiers:<taskset-id>'
-    (a verifiers environment; `kwargs` are then its [env] block, services/sampler/vf).
+    """`name` is a built-in (see BUILTINS), 'package.module:factory', 'verifiers:<taskset-id>'
+    (a verifiers environment; `kwargs` are then its [env] block, services/sampler/vf), or
+    'reasoning_gym:<dataset>' (`kwargs` are the dataset's config, envs/reasoning_gym.py).
 
     Whatever fails while the environment is imported, built or checked (a taskset, a harness,
     a factory, a missing nltk resource) is raised as EnvironmentLoadError: one line with the
@@ -36,6 +37,10 @@ def _build(name: str, **kwargs: Any) -> Environment:
         from services.sampler.vf.environment import VerifiersEnvironment
 
         return VerifiersEnvironment(name.removeprefix("verifiers:"), **kwargs)
+    if name.startswith("reasoning_gym:"):
+        from services.sampler.envs.reasoning_gym import ReasoningGymEnv
+
+        return ReasoningGymEnv(name.removeprefix("reasoning_gym:"), **kwargs)
     factory = load_by_path(BUILTINS.get(name, name), "environment", list(BUILTINS))
     try:
         env = factory(**kwargs)
