@@ -85,7 +85,8 @@ class TrainerSettings(TrackingSettings):
         "above this (> 1) carries no loss; unset = no upper bound",
     )
     mask_truncated_completions: bool = Field(
-        default=False, description="completions cut off at max_tokens (finish_reason length) carry no loss"
+        default=False, description="samples that stopped for lack of room (finish_reason length: the context "
+        "full, or the last reply cut at max_tokens with nothing else ending the episode) carry no loss"
     )
     temperature: float | None = Field(
         default=None, description="sampling temperature; unset = the sampler's (from GET /status). Must match it."
