@@ -11,6 +11,7 @@ import pytest
 from services.sampler.envs.multiturn import Conversation
 from services.trainer.collate import collate
 from shared.wire import Sample
+from tests.support.driver import fill_the_context_on_the_second_turn
 from tests.support.envs import EchoDialogue
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,13 +53,8 @@ async def test_a_cut_last_reply_in_an_episode_ended_otherwise_is_stop_and_keeps_
 
 
 async def test_a_full_context_is_length_and_carries_no_loss_when_truncated_ones_are_masked(standin, make_rollouts):
-    # The context fits the opening, one 8-byte turn, the environment's answer and 4 more bytes:
-    # the second turn fills it (cut at the 4 bytes of room, under max_tokens = 16).
     env = EchoDialogue(max_turns=6)
-    opening = len("<|im_start|>user\nhello 0<|im_end|>\n<|im_start|>assistant\n")
-    per_turn = 8 + len("<|im_end|>\n<|im_start|>user\nnext 1<|im_end|>\n<|im_start|>assistant\n")
-    httpx.post(standin.url + "/_standin/configure", json={"replies": ["abcdefgh"],
-                                                          "max_model_len": opening + per_turn + 4}).raise_for_status()
+    fill_the_context_on_the_second_turn(standin.url)
     rollouts = make_rollouts(env, [standin.url], max_tokens=16)
     group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=2)
     assert group.invalid is None

@@ -9,11 +9,11 @@ import asyncio
 import threading
 import time
 
-import httpx
 import pytest
 
 from services.sampler.envs import load_environment
 from services.sampler.envs.base import Completion, Example, Reward
+from tests.support.driver import fill_the_context_on_the_second_turn
 from tests.support.envs import CountEnv, EchoDialogue
 
 pytestmark = pytest.mark.timeout(60)
@@ -110,19 +110,15 @@ async def test_synchronous_rewards_run_in_worker_threads_off_the_event_loop(stan
 
 
 async def test_a_conversation_that_outgrows_the_context_ends_with_length(standin, make_rollouts):
-    # The stand-in answers 8 bytes a turn; its context is cut to fit the opening and ~1.5 turns.
     env = EchoDialogue(max_turns=6)
-    opening = len("<|im_start|>user\nhello 0<|im_end|>\n<|im_start|>assistant\n")
-    per_turn = 8 + len("<|im_end|>\n<|im_start|>user\nnext 1<|im_end|>\n<|im_start|>assistant\n")
-    httpx.post(standin.url + "/_standin/configure", json={"replies": ["abcdefgh"],
-                                                          "max_model_len": opening + per_turn + 4}).raise_for_status()
+    context = fill_the_context_on_the_second_turn(standin.url)
     rollouts = make_rollouts(env, [standin.url], max_tokens=16)
     group = await rollouts.group(env.examples("train")[0], "g0", min_version=0, seed=0, n=2)
     assert group.invalid is None
     for c in group.completions:
         assert c.finish_reason == "length" and c.conversation.ended_by == "length"
         assert len(c.conversation.turns) == 2 and c.conversation.turns[1].text == "abcd"
-        assert len(c.prompt_token_ids) + len(c.token_ids) == opening + per_turn + 4
+        assert len(c.prompt_token_ids) + len(c.token_ids) == context
     samples = group.samples(env.name)
     assert {s["finish_reason"] for s in samples} == {"length"}
 

@@ -11,16 +11,11 @@ import httpx
 import pytest
 
 from services.trainer.collate import collate
-from shared.wire import Sample
+from tests.support.driver import batch_samples
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def batch(sampler) -> list[Sample]:
-    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
-        response = await http.get("/batch", params={"step": 0, "timeout": 30})
-        assert response.status_code == 200, response.text
-        return [Sample.model_validate(s) for s in response.json()["samples"]]
 
 
 @pytest.mark.parametrize("max_tokens, text, finish, trained", [
@@ -31,7 +26,7 @@ async def test_a_single_turn_sample_is_length_exactly_when_its_reply_was_cut(mak
                                                                               text, finish, trained):
     httpx.post(standin.url + "/_standin/configure", json={"reply": "abcdefgh"}).raise_for_status()
     sampler = make_sampler(prompts_per_step=1, num_generations=2, max_tokens=max_tokens)
-    samples = await batch(sampler)
+    samples = await batch_samples(sampler.url)
     assert len(samples) == 2
     for s in samples:
         assert bytes(s.completion_token_ids) == text and s.finish_reason == finish

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from services.sampler.envs import Completion, EnvironmentLoadError, load_environment
-from shared.wire import Sample
+from tests.support.driver import batch_samples
 
 pytest.importorskip("reasoning_gym")  # a guard only: `make install` installs the extra
 
@@ -137,11 +137,6 @@ def test_without_the_package_the_sampler_names_the_extra(tmp_path: Path):
                     "(reasoning_gym): pip install 'tandem[reasoning-gym]'"), line
 
 
-async def batch(sampler) -> list[Sample]:
-    async with httpx.AsyncClient(base_url=sampler.url, timeout=30) as http:
-        response = await http.get("/batch", params={"step": 0, "timeout": 30})
-        assert response.status_code == 200, response.text
-        return [Sample.model_validate(s) for s in response.json()["samples"]]
 
 
 @pytest.mark.parametrize("reply", ["<answer>1</answer>", "1 <answer>0</answer> 1"])
@@ -153,7 +148,7 @@ async def test_rewards_through_the_sampler_are_the_datasets_scores(make_sampler,
     httpx.post(standin.url + "/_standin/configure", json={"reply": reply}).raise_for_status()
     sampler = make_sampler(env="reasoning_gym:gcd", env_args=GCD, prompts_per_step=8, num_generations=2,
                            max_tokens=64)
-    samples = await batch(sampler)
+    samples = await batch_samples(sampler.url)
     assert len(samples) == 16
     for s in samples:
         right = reply == "<answer>1</answer>" and answers[s.prompt_id] == "1"

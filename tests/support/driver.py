@@ -61,3 +61,26 @@ async def publish_between_turns(http: httpx.AsyncClient, standin_url: str, timeo
     assert [s["versions"] for s in samples] == [[0, 1]] * len(samples)
     assert [s["policy_version"] for s in samples] == [0] * len(samples)
     return samples
+
+
+async def batch_samples(url: str, step: int = 0, timeout: float = 120.0) -> list[Any]:
+    """GET /batch?step=N, long-polled up to `timeout`; its samples as `Sample`s (200 asserted)."""
+    from shared.wire import Sample
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout + 10) as http:
+        response = await http.get("/batch", params={"step": step, "timeout": timeout})
+        assert response.status_code == 200, response.text
+        return [Sample.model_validate(s) for s in response.json()["samples"]]
+
+
+def fill_the_context_on_the_second_turn(standin_url: str) -> int:
+    """The stand-in answers 8 bytes a turn to an EchoDialogue (tests/support/envs.py), its
+    context cut to fit the opening, one turn, the environment's answer and 4 more bytes: the
+    second turn fills it (cut at those 4 bytes, under a max_tokens of 16). Returns that context
+    length."""
+    opening = len("<|im_start|>user\nhello 0<|im_end|>\n<|im_start|>assistant\n")
+    per_turn = 8 + len("<|im_end|>\n<|im_start|>user\nnext 1<|im_end|>\n<|im_start|>assistant\n")
+    context = opening + per_turn + 4
+    httpx.post(standin_url + "/_standin/configure",
+               json={"replies": ["abcdefgh"], "max_model_len": context}).raise_for_status()
+    return context

@@ -11,15 +11,11 @@ import pytest
 
 from services.trainer.collate import collate
 from shared.wire import Sample
+from tests.support.driver import batch_samples
 
 pytestmark = pytest.mark.timeout(120)
 
 
-async def batch(sampler) -> list[Sample]:
-    async with httpx.AsyncClient(base_url=sampler.url, timeout=90) as http:
-        response = await http.get("/batch", params={"step": 0, "timeout": 90})
-        assert response.status_code == 200, response.text
-        return [Sample.model_validate(s) for s in response.json()["samples"]]
 
 
 def trained_tokens(samples: list[Sample]) -> list[int]:
@@ -32,7 +28,7 @@ async def test_an_episode_the_env_ended_after_a_cut_reply_is_stop_and_keeps_its_
     httpx.post(standin.url + "/_standin/configure", json={"replies": ["abcdefgh"]}).raise_for_status()
     sampler = make_sampler(env="verifiers:tandem-vf-dialogue", env_args='{"turns": 2}', vf_tokenizer=str(byte_tokenizer),
                            prompts_per_step=1, num_generations=2, max_tokens=4)
-    samples = await batch(sampler)
+    samples = await batch_samples(sampler.url)
     assert len(samples) == 2
     for s in samples:
         trained = bytes(t for t, m in zip(s.completion_token_ids, s.loss_mask) if m)
@@ -47,7 +43,7 @@ async def test_a_single_turn_episode_cut_by_max_tokens_is_length_and_masked(make
     httpx.post(standin.url + "/_standin/configure", json={"replies": ["abcdefgh"]}).raise_for_status()
     sampler = make_sampler(env="verifiers:tandem-vf-parity", vf_tokenizer=str(byte_tokenizer), prompts_per_step=1,
                            num_generations=2, max_tokens=4)
-    samples = await batch(sampler)
+    samples = await batch_samples(sampler.url)
     assert len(samples) == 2
     for s in samples:
         assert bytes(s.completion_token_ids) == b"abcd" and s.finish_reason == "length"
