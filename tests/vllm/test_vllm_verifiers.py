@@ -130,7 +130,10 @@ async def test_single_turn_samples_are_what_vllm_sampled(start_sampler, vllm, to
         answer = "eo"[int(s.prompt_text.rsplit(" ", 1)[1]) % 2]
         text = tokenizer.decode(s.completion_token_ids, skip_special_tokens=True)
         assert s.reward == s.rewards["correct"] == float(text.lstrip()[:1] == answer)
-        assert s.model_extra["metrics"] == {"reply_chars": float(len(text.strip()))}
+        # One model call: its own finish reason is the sample's (the agent's reply ended the episode).
+        reason = s.finish_reason
+        assert s.model_extra["metrics"] == {"reply_chars": float(len(text.strip())), f"turn_finish/{reason}": 1.0,
+                                            f"last_turn_finish/{reason}": 1.0}
         diffs += check_logprobs(vllm.url, s)
     print(f"\n{len(diffs)} sampled tokens: max |behaviour - vLLM prompt logprob| {max(diffs):.3g}")
     counts = await env_counts(sampler, "verifiers:tandem-vf-parity")
