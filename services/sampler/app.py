@@ -217,7 +217,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
     finally:
         if "state" in locals():
             # Start nothing new, let batches in flight seal, then stop the rest.
-            await supervisor.stop("producer")
+            await supervisor.stop("producer", deadline=5.0)
             await state.producer.drain(settings.drain_deadline)
         await supervisor.shutdown(SHUTDOWN_DEADLINE)
         if "state" in locals():

@@ -66,12 +66,19 @@ class Supervisor:
 
         self.tasks[name] = asyncio.create_task(guarded(), name=name)
 
-    async def stop(self, name: str) -> None:
-        """Cancel one task and wait for it (others keep running)."""
+    async def stop(self, name: str, deadline: float = 10.0) -> None:
+        """Cancel one task and wait for it, at most `deadline` seconds (others keep running). A
+        task still running then is logged with its stack and left behind: a shutdown must not
+        wait on it past the budget its parent gives it (the demo kills a sampler after 20 s)."""
         task = self.tasks.get(name)
         if task is not None and not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            done, _ = await asyncio.wait([task], timeout=deadline)
+            if not done:
+                stack = io.StringIO()
+                task.print_stack(file=stack)
+                log.error("background task %s did not stop within %.1fs of being cancelled; going on without it:\n%s",
+                          name, deadline, stack.getvalue())
 
     async def shutdown(self, deadline: float = 10.0) -> None:
         self._stopping = True
