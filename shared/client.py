@@ -19,6 +19,7 @@ from typing import Any
 from shared import codec
 from shared.chunks import FRAMES, BatchArrays, alloc, decode_frame, is_frames
 from shared.http_client import HttpClient, Reply, TransportError
+from shared.token_guard import bearer_headers
 from shared.waiting import REPORT_EVERY, Retrying, describe_status
 from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
 
@@ -115,9 +116,8 @@ class SamplerClient:
             raise ValueError(f"encoding must be one of {sorted(_ENCODINGS)}, not {encoding!r}")
         self.accept = _ENCODINGS[encoding]
         self._frames = encoding == "frames"
-        headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
         # The timeout must outlast the server-side long-poll, or every poll would fail.
-        self._http = HttpClient(max_connections=16, timeout=poll_timeout + 30.0, headers=headers)
+        self._http = HttpClient(max_connections=16, timeout=poll_timeout + 30.0, headers=bearer_headers(api_token))
 
     async def __aenter__(self) -> SamplerClient:
         return self

@@ -38,6 +38,7 @@ from services.sampler.envs.base import Completion, Environment, Example, Split
 from services.sampler.vf.loader import PREFIX, env_config, import_verifiers, split_blocks, split_limits
 from services.sampler.vf.sessions import Session, Sessions
 from services.sampler.vf.traces import Scored, completion_of, trainable_trace
+from shared.token_guard import bearer_headers
 
 if TYPE_CHECKING:
     from services.sampler.rollout import Rollouts
@@ -179,10 +180,10 @@ class VerifiersEnvironment(Environment):
         tokenizer = link.tokenizer or (await rollouts.served_model()).get("root")
         # The token as a header of the client's own (it overrides the API-key header the OpenAI
         # SDK writes), not through an environment variable of this process.
-        headers = {"Authorization": f"Bearer {link.api_token}"} if link.api_token else {}
         client = vf.TrainClientConfig(
             base_url=f"{link.base_url}/v1", api_key_var="TANDEM_SAMPLER_TOKEN", renderer=renderer_config(link.renderer),
-            renderer_model_name=tokenizer, timeout={"read": link.request_timeout + 60}, headers=headers)
+            renderer_model_name=tokenizer, timeout={"read": link.request_timeout + 60},
+            headers=bearer_headers(link.api_token))
         return vf.ModelContext(
             model=await rollouts.model(), client=client,
             sampling=vf.SamplingConfig(max_tokens=sampling.get("max_tokens"),
