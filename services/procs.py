@@ -13,6 +13,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def local_url(host: str, port: int) -> str:
+    """http://HOST:PORT as a process on this machine reaches a server that listens on `host`: a
+    wildcard address (0.0.0.0, ::, "") as loopback, an IPv6 literal in brackets."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie; reaps it if it is our own exited child."""
     try:

@@ -49,6 +49,7 @@ import httpx
 
 from services.demo.config import DemoSettings
 from services.demo.processes import Child, ChildDied, free_port, pid_alive, stop_pid, wait_healthy
+from services.procs import local_url
 from shared.token_guard import bearer_headers, dashboard_url
 
 MARKER = ".tandem-demo"
@@ -213,13 +214,12 @@ class Demo:
         self.redis_pid: int | None = None
         self.token: str | None = None  # the run's, once run() has chosen it
         self.hurry = False  # a second signal during shutdown: SIGKILL instead of waiting
-        connect_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
         self.inference_port = settings.inference_port or free_port()
         self.sampler_port = settings.port or free_port()
         while self.sampler_port == self.inference_port:
             self.sampler_port = free_port()
-        self.inference_url = f"http://{connect_host}:{self.inference_port}"
-        self.sampler_url = f"http://{connect_host}:{self.sampler_port}"
+        self.inference_url = local_url(settings.host, self.inference_port)
+        self.sampler_url = local_url(settings.host, self.sampler_port)
         # Where the trainer writes trainer_metrics.jsonl (the same records from both trainers) and
         # its summary; the TRL example's summary.json must not collide with the demo's own.
         self.trainer_dir = self.run_dir if settings.trainer == "native" else self.run_dir / "trl"

@@ -81,6 +81,7 @@ from pathlib import Path
 
 from services.inference.config import InferenceSettings
 from services.inference.vllm_ext import EXTENSION_CLS
+from services.procs import local_url
 from shared.token_guard import TOKEN_ENV, bearer_headers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -270,11 +271,6 @@ def _importable_from_repo(env: dict[str, str]) -> None:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
 
 
-def _local_url(settings: InferenceSettings) -> str:
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    return f"http://{host}:{settings.port}"
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as resp:
@@ -313,7 +309,7 @@ def run(settings: InferenceSettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
 
-    url = _local_url(settings)
+    url = local_url(settings.host, settings.port)
     deadline = time.monotonic() + settings.startup_timeout
     while not _healthy(url):
         if child.poll() is not None:

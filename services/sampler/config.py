@@ -6,6 +6,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from services.procs import local_url
 from shared import contract
 from shared.adapters import DEFAULT_ADAPTER_NAME
 from shared.settings import CommaList, EnvArgs, GuardedSettings, json_if_str
@@ -158,10 +159,7 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     @property
     def self_url(self) -> str:
         """This sampler's own address, as a process on its machine reaches it."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"  # an IPv6 literal, as a URL writes it
-        return f"http://{host}:{self.port}"
+        return local_url(self.host, self.port)
 
     @property
     def batch_size(self) -> int:
