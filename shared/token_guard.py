@@ -159,10 +159,11 @@ class TokenGuard:
             return
         method = scope.get("method", "GET")
         if scope["type"] == "http" and method in ("GET", "HEAD"):
+            page = scope.get("root_path", "") + path  # the page's address as the browser sees it
             if path in self.browser_paths:
                 query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
                 if "token" in query:
-                    await self._login(scope, send, query)
+                    await self._login(scope, send, page, query)
                     return
             cookie = _cookie(headers, self._cookie_name(scope))
             if cookie is not None and token_matches(cookie, self.token):
@@ -171,7 +172,7 @@ class TokenGuard:
             if path in self.browser_paths and _accepts_html(headers):
                 why = ("The token this browser kept is no longer this run's (was the sampler restarted with a new one?)."
                        if cookie is not None else "This browser has not been given the token yet.")
-                await self._page(send, 401, LOGIN_PAGE.format(why=why, action=scope.get("root_path", "") + path))
+                await self._page(send, LOGIN_PAGE.format(why=why, action=page))
                 return
         await self._deny(scope, send, f"{self.service} needs 'Authorization: Bearer <token>' with the run's token "
                          f"({TOKEN_ENV})")
@@ -191,27 +192,23 @@ class TokenGuard:
         server = scope.get("server") or ("", 0)
         return f"{COOKIE_PREFIX}{server[1] or 0}"
 
-    async def _login(self, scope: Scope, send: Send, query: dict[str, list[str]]) -> None:
+    async def _login(self, scope: Scope, send: Send, page: str, query: dict[str, list[str]]) -> None:
         given = query.pop("token")[-1]
         if not token_matches(given, self.token):
-            await self._page(send, 401, LOGIN_PAGE.format(why="That token is not this run's token.",
-                                                          action=scope.get("root_path", "") + self._route_path(scope)))
+            await self._page(send, LOGIN_PAGE.format(why="That token is not this run's token.", action=page))
             return
         # The token leaves the address bar (and the history) at once; the cookie carries it on.
         rest = urlencode(query, doseq=True)
-        location = scope.get("root_path", "") + self._route_path(scope) + (f"?{rest}" if rest else "")
+        location = page + (f"?{rest}" if rest else "")
         cookie = f"{self._cookie_name(scope)}={quote(given, safe='')}; Path=/; HttpOnly; SameSite=Strict"
-        await send({"type": "http.response.start", "status": 303,
-                    "headers": [(b"location", location.encode("latin-1")), (b"set-cookie", cookie.encode("latin-1")),
-                                (b"cache-control", b"no-store"), (b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b""})
+        await _respond(send, 303, [(b"location", location.encode("latin-1")), (b"set-cookie", cookie.encode("latin-1")),
+                                   (b"cache-control", b"no-store")])
 
-    async def _page(self, send: Send, status: int, html: str) -> None:
-        body = html.encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-store"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+    @staticmethod
+    async def _page(send: Send, html: str) -> None:
+        """The 401 page a browser without the run's token sees."""
+        await _respond(send, 401, [(b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-store")],
+                       html.encode())
 
     async def _deny(self, scope: Scope, send: Send, message: str) -> None:
         if scope["type"] == "websocket":
@@ -221,11 +218,15 @@ class TokenGuard:
             payload: dict[str, Any] = {"error": {"message": message, "type": "Unauthorized", "param": None, "code": 401}}
         else:
             payload = {"detail": message}
-        body = json.dumps(payload).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _respond(send, 401, [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+                       json.dumps(payload).encode())
+
+
+async def _respond(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b"") -> None:
+    """One whole answer from the guard itself: the app behind it never sees the request."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class VllmTokenGuard(TokenGuard):
