@@ -116,7 +116,6 @@ class ReasoningGymEnv(Environment):
         if answer_format not in ANSWER_FORMATS:
             raise ValueError(f"answer_format must be one of {', '.join(ANSWER_FORMATS)}; got {answer_format!r}")
         self.name = f"reasoning_gym:{dataset}"
-        self.dataset_name = dataset
         self.answer_format = answer_format
         self._extract = extract_answer
         self.system_prompt = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
