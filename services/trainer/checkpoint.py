@@ -7,7 +7,11 @@ Two kinds of directory, because they serve two readers:
   `model.safetensors`, with `config.json` and `published.json` (`{"version", "step",
   "dtype"}`). Nothing else: no optimizer state, no tokenizer. Written every step, read once
   by each inference server's reload, then pruned to the newest `keep_published`. A RAM disk
-  (`/dev/shm`) is a good home: a lost one is re-published from the model.
+  (`/dev/shm`) is a good home: a lost one is re-published from the model. The manifest also
+  records `"kind": "full"`, per-tensor `"checksums"` and a `"digest"`; a version may instead be
+  a delta on the one before (`publish_delta`: `delta.safetensors`, format and invariants in
+  shared/weights_delta.py), and pruning then keeps every version a kept one is built from
+  (services/trainer/versions.py).
 * **Full checkpoints** `run_dir/checkpoints/step-N` (`save_checkpoint`, or the collective
   `begin_checkpoint` / `commit_checkpoint` pair the trainer uses): the float32 master weights
   after optimizer step N, i.e. version N+1 (docs/staleness.md, Steps and versions), as an
@@ -46,6 +50,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from shared.weights_delta import checksums, state_digest
 
 log = logging.getLogger("tandem.trainer.checkpoint")
 
@@ -401,15 +407,30 @@ def publish_weights(publish_root: Path | str, version: int, state_dict: dict[str
     from safetensors.torch import save_file
 
     tensors = cast_tensors(untie(state_dict, config), dtype)
+    sums = checksums(tensors)
 
     def write(tmp: Path) -> Path:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        config_dict = config.to_dict()
-        config_dict["torch_dtype"] = config_dict["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+        write_config(tmp, config, dtype)
         return tmp / WEIGHTS_FILE
 
-    return write_version(publish_root, version, tensors, dtype=dtype, step=step, write=write)
+    return write_version(publish_root, version, tensors, dtype=dtype, step=step, write=write,
+                         marker={"kind": "full", "checksums": sums, "digest": state_digest(sums)})
+
+
+def write_config(tmp: Path, config: Any, dtype: Any) -> None:
+    """A published version's config.json: the model's config with the publish dtype."""
+    config_dict = config.to_dict()
+    config_dict["torch_dtype"] = config_dict["dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
+
+
+def publish_delta(publish_root: Path | str, version: int, tensors: dict[str, Any], base_tensors: dict[str, Any],
+                  base_manifest: dict[str, Any], config: Any, *, dtype: Any, step: int) -> tuple[Path, dict[str, Any]]:
+    """Version `version` as a delta on the version `base_manifest` describes (services/trainer/versions.py)."""
+    from services.trainer.versions import publish_delta as publish
+
+    return publish(publish_root, version, tensors, base_tensors, base_manifest, config, dtype=dtype, step=step)
 
 
 def cast_tensors(state_dict: dict[str, Any], dtype: Any) -> dict[str, Any]:
@@ -419,12 +440,13 @@ def cast_tensors(state_dict: dict[str, Any], dtype: Any) -> dict[str, Any]:
 
 
 def write_version(publish_root: Path | str, version: int, tensors: dict[str, Any], *, dtype: Any, step: int,
-                  write: Any, marker: dict[str, Any] | None = None) -> Path:
+                  write: Any, marker: dict[str, Any] | None = None, needed: int | None = None) -> Path:
     """`publish_root/version-{version}` atomically: `write(tmp)` writes the files (`tensors`, already in
     `dtype`) into the staging directory and returns the weights file, then `published.json` (with
     `marker`'s extra keys) marks it complete. Refuses (ValueError) tensors holding NaN or infinity:
-    those must never reach inference. Full weights (`publish_weights`) and LoRA adapters
-    (services/trainer/lora.py) are both written through here."""
+    those must never reach inference. Full weights (`publish_weights`), deltas (`publish_delta`) and
+    LoRA adapters (services/trainer/lora.py) are all written through here. `needed`: the bytes the
+    files take, when not those of `tensors` (a delta)."""
     # Checked after the cast: a float16 cast can overflow to infinity on its own.
     bad = non_finite_tensors(tensors)
     if bad:
@@ -432,8 +454,9 @@ def write_version(publish_root: Path | str, version: int, tensors: dict[str, Any
                          f"{' and more' if len(bad) > 5 else ''}")
     root = Path(publish_root)
     what = f"published version-{version}"
-    needed = tensor_bytes(tensors)
+    needed = tensor_bytes(tensors) if needed is None else needed
     ensure_space(root, needed, what)
+    # Also removes the staging directories that earlier, crashed writes left behind.
     tmp = _new_staging_dir(root, f".tmp-version-{version}-{os.getpid()}")
     with disk_errors(root, needed, what), _staging(tmp):
         weights = write(tmp)
@@ -446,6 +469,8 @@ def write_version(publish_root: Path | str, version: int, tensors: dict[str, Any
 
 def prune_published(publish_root: Path | str, keep: int, protect: tuple[Path | str | None, ...] = ()) -> list[Path]:
     """Delete all but the `keep` versions written last, sparing those in `protect` (the one the
-    sampler serves: a server that restarts loads it); returns the deleted paths."""
-    return _prune(list_published(publish_root), keep, "published version is what inference serves",
-                  PUBLISHED_FILE, protect)
+    sampler serves: a server that restarts loads it) and every version a spared delta is built
+    from (its chain down to a full version); returns the deleted paths."""
+    from services.trainer.versions import prune_chains
+
+    return prune_chains(publish_root, keep, protect)

@@ -1,0 +1,119 @@
+"""Delta versions on the trainer's side: writing one, and pruning that keeps whole chains.
+
+A published version (services/trainer/checkpoint.py) is either full or a delta on the
+version before it (format: shared/weights_delta.py). The caller decides which (a full one
+every so often, and whenever a delta cannot be made: `publish_delta` raises DeltaError) and
+keeps the publish-dtype snapshot of the version it published last (`snapshot`) as the next
+delta's base.
+
+Pruning keeps the newest `keep` versions and the protected ones, and with each of them the
+versions it is built from, down to its full root: a kept delta is never left without its
+base, so a server that joins or restarts can always replay the chain.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from services.trainer import checkpoint as ckpt
+from shared.weights_delta import (
+    DELTA_FILE, ENCODING, DeltaError, checksums, encode, read_manifest, state_digest,
+)
+
+log = logging.getLogger("tandem.trainer.versions")
+
+
+def snapshot(state_dict: dict[str, Any], config: Any, dtype: Any) -> dict[str, Any]:
+    """What a version publishes, as detached tensors in `dtype`, tied duplicates left out: pass
+    it to `publish_weights` or `publish_delta`, and keep it as the next delta's base."""
+    return ckpt.cast_tensors(ckpt.untie(state_dict, config), dtype)
+
+
+def publish_delta(publish_root: Path | str, version: int, tensors: dict[str, Any], base_tensors: dict[str, Any],
+                  base_manifest: dict[str, Any], config: Any, *, dtype: Any, step: int
+                  ) -> tuple[Path, dict[str, Any]]:
+    """Write `publish_root/version-{version}` as the delta from the version `base_manifest`
+    describes (whose weights are `base_tensors`) to `tensors`, both publish-dtype snapshots
+    (`snapshot`); atomically and refusing non-finite values, like every version
+    (`checkpoint.write_version`). Returns its path and manifest. DeltaError when no delta
+    can be made (the base has no digest, is no longer on disk, is not `base_tensors`, or the
+    tensors differ in names, shapes or dtypes): write a full version instead."""
+    root = Path(publish_root)
+    dtype_name = str(dtype).removeprefix("torch.")
+    base_version, base_digest = base_manifest.get("version"), base_manifest.get("digest")
+    if base_version is None or not base_digest:
+        raise DeltaError(f"version {base_version} has no digest (written before deltas existed): "
+                         f"write version {version} in full")
+    if base_version == version:
+        raise DeltaError(f"version {version} cannot be a delta on itself: write it in full")
+    if base_manifest.get("dtype") != dtype_name:
+        raise DeltaError(f"version {base_version} is {base_manifest.get('dtype')}, version {version} {dtype_name}: "
+                         "write it in full")
+    base_dir = ckpt.version_path(root, base_version)
+    try:
+        on_disk = read_manifest(base_dir).get("digest")
+    except DeltaError:
+        on_disk = None
+    if on_disk != base_digest:
+        raise DeltaError(f"{base_dir} is gone or holds other weights: a delta on it could not be loaded; "
+                         f"write version {version} in full")
+    if state_digest(checksums(base_tensors)) != base_digest:
+        raise DeltaError(f"the base snapshot is not version {base_version}'s weights: write version {version} in full")
+    delta, changed, total = encode(base_tensors, tensors)
+    sums = checksums(tensors)
+    full_version = base_manifest.get("full_version", base_version) if base_manifest.get("kind") == "delta" \
+        else base_version
+
+    def write(tmp: Path) -> Path:
+        from safetensors.torch import save_file
+
+        save_file(delta, str(tmp / DELTA_FILE), metadata={"format": "pt", "encoding": ENCODING})
+        ckpt.write_config(tmp, config, dtype)
+        return tmp / DELTA_FILE
+
+    marker = {"kind": "delta", "encoding": ENCODING, "base_version": base_version, "base_digest": base_digest,
+              "digest": state_digest(sums), "checksums": sums, "full_version": full_version,
+              "changed_elements": changed, "total_elements": total}
+    path = ckpt.write_version(root, version, tensors, dtype=dtype, step=step, write=write, marker=marker,
+                              needed=ckpt.tensor_bytes(delta))
+    log.debug("published version-%d as a delta on version-%s: %d of %d elements changed", version, base_version,
+              changed, total)
+    return path, read_manifest(path)
+
+
+def _with_bases(path: Path) -> list[Path]:
+    """`path` and the versions it is built from that are on disk (following base_version, as
+    far as the chain goes: a broken one keeps what is left of it)."""
+    out, seen = [path], {path.resolve()}
+    while True:
+        try:
+            manifest = read_manifest(path)
+        except DeltaError:
+            return out
+        if manifest.get("kind") != "delta" or manifest.get("base_version") is None:
+            return out
+        base = path.parent / f"version-{manifest['base_version']}"
+        if not base.is_dir() or base.resolve() in seen:
+            return out
+        out.append(base)
+        seen.add(base.resolve())
+        path = base
+
+
+def prune_chains(publish_root: Path | str, keep: int, protect: tuple[Path | str | None, ...] = ()) -> list[Path]:
+    """Delete all published versions but the `keep` written last, those in `protect` and the
+    versions any of those is built from; returns the deleted paths."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1: the newest published version is what inference serves")
+    found = ckpt.list_published(publish_root)
+    kept = [path for _, path in ckpt._newest_first(found, ckpt.PUBLISHED_FILE)[:keep]]
+    kept += [Path(p) for p in protect if p and Path(p).is_dir()]
+    spared = {link.resolve() for path in kept for link in _with_bases(path)}
+    doomed = [path for _, path in found if path.resolve() not in spared]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        log.debug("deleted %s", path)
+    return doomed
