@@ -15,7 +15,9 @@ Contract (what the HTTP layer and tests rely on):
   While paused, new requests queue and start after `resume()`.
 * `reload_weights(path)` copies an HF checkpoint directory's safetensors into the live model
   between two steps (validated first: a bad checkpoint changes nothing). Keys that do not
-  match, or shapes that differ, are an error.
+  match, or shapes that differ, are an error. A published version is verified against its
+  checksums, and a delta version is applied in place when the model holds its base
+  (`weights_digest`), else loaded through its chain (weights_load.py).
 * Every generated token is stamped with the weight-version label current when its step ran;
   `Output.weight_versions` holds one span per label run, over output-token indexes.
 * `SamplingParams.prompt_logprobs = k` (vLLM's request field) fills `Output.prompt_logprobs`:
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from services.inference import kvcache
+from services.inference import kvcache, weights_load
 from services.inference.metrics import InferenceMetrics
 from services.inference.sampling import RowParams, sample
 
@@ -161,6 +163,8 @@ class Engine:
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.metrics = metrics or InferenceMetrics(str(model_path))
         self._version = str(weight_version)
+        # The digest of the published version the model holds (None: not one with checksums).
+        self.weights_digest: str | None = None
         self.metrics.on_version(None, self._version)
         self._rng = random.Random(seed)
         # One thread owns the model: steps and reloads never overlap, torch state stays put.
@@ -323,10 +327,12 @@ class Engine:
         self._admitting = True
         self._work.set()
 
-    async def reload_weights(self, weights_path: str | Path | None = None) -> None:
-        await self.exclusive(self._load_weights, Path(weights_path) if weights_path else self.model_path)
+    async def reload_weights(self, weights_path: str | Path | None = None) -> dict[str, Any]:
+        """What was loaded and how (weights_load.Reload.as_dict: applied delta|full|chain, ...)."""
+        result = await self.exclusive(self._load_weights, Path(weights_path) if weights_path else self.model_path)
         self.stats["reloads"] += 1
         self.metrics.on_reload()
+        return result
 
     async def exclusive(self, fn, *args: Any, before=None) -> Any:
         """`fn(*args)` on the model thread between two steps: what changes the model's weights.
@@ -609,38 +615,7 @@ class Engine:
             prompt_logprobs=seq.prompt_logprobs,
         )
 
-    def _load_weights(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
-        if not path.is_dir():
-            raise RequestError(f"weights_path {str(path)!r} is not a directory", param="weights_path")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise RequestError(f"no *.safetensors files in {str(path)!r}", param="weights_path")
-        incoming: dict[str, torch.Tensor] = {}
-        for f in files:
-            incoming.update(load_file(str(f)))
-        # Under their checkpoint names even while LoRA layers wrap them (adapters.py).
-        own = self.adapters.base_parameters() if self.adapters else dict(self.model.named_parameters())
-        params = dict(own)
-        params.update({k: v for k, v in self.model.named_buffers() if k in incoming})
-        unexpected = sorted(set(incoming) - set(params))
-        if unexpected:
-            raise RequestError(
-                f"checkpoint {str(path)!r} has weights this model lacks: {unexpected[:5]}", param="weights_path"
-            )
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        missing = sorted(set(own) - set(incoming) - tied)
-        if missing:
-            raise RequestError(f"checkpoint {str(path)!r} lacks weights: {missing[:5]}", param="weights_path")
-        for name, tensor in incoming.items():
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise RequestError(
-                    f"checkpoint {str(path)!r}: {name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(params[name].shape)}", param="weights_path",
-                )
-        # Validated in full above, so a bad checkpoint never leaves the model half-updated.
-        with torch.no_grad():
-            for name, tensor in incoming.items():
-                params[name].copy_(tensor)
-        log.info("reloaded %d tensors from %s", len(incoming), path)
+    def _load_weights(self, path: Path) -> dict[str, Any]:
+        result = weights_load.load(self.model, self.adapters, path, self.weights_digest)
+        self.weights_digest = result.digest
+        return result.as_dict()

@@ -5,8 +5,11 @@
 * `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` ->
   `{"results": [null]}` (one entry per worker; the CPU server has one). The same with
   `"method": "tandem_reload_weights"` -> `{"results": [{"weights_path", "seconds", "repacked": [],
-  "reprocessed": 0}]}`, the answer of Tandem's vLLM worker extension (vllm_ext.py), so a sampler
-  may call that name on every Tandem server. Other methods: 400.
+  "reprocessed": 0, "applied", "delta"}]}`, the answer of Tandem's vLLM worker extension
+  (vllm_ext.py), so a sampler may call that name on every Tandem server; `applied` says how
+  the weights came in: "delta" (a delta version applied in place, `delta` true), "full" or
+  "chain" (a delta version's chain replayed: the server did not hold its base). Other
+  methods: 400.
 * `POST /update_weight_version {"new_version": str}` -> `{"success": true, "new_version": str}`;
   `GET /weight_info` -> `{"weight_version": str}`.
 * `POST /reset_prefix_cache` -> `{"success": true}` (the CPU engine keeps no prefix cache).
@@ -58,13 +61,14 @@ async def collective_rpc(req: P.CollectiveRpcRequest, eng: EngineDep):
     if path is not None and not isinstance(path, str):
         raise RequestError("kwargs.weights_path must be a string path", param="weights_path")
     started = time.perf_counter()
-    await eng.reload_weights(path)
+    loaded = await eng.reload_weights(path)
     if req.method == "reload_weights":
         return {"results": [None]}
     # The CPU engine multiplies by its parameters directly: there is nothing to repack.
     return {"results": [{"weights_path": str(path or eng.model_path),
                          "seconds": round(time.perf_counter() - started, 4),
-                         "repacked": [], "reprocessed": 0}]}
+                         "repacked": [], "reprocessed": 0,
+                         "applied": loaded["applied"], "delta": loaded["delta"]}]}
 
 
 @router.post("/update_weight_version")
