@@ -1,7 +1,9 @@
 """Weight sync: load a checkpoint into every inference server and record what each serves.
 
 For one server: pause(keep) -> collective_rpc reload (vLLM's `reload_weights`, or
-`tandem_reload_weights` on vLLM's CPU build with Tandem's worker extension) ->
+`tandem_reload_weights` with Tandem's worker extension, which the launcher loads on both
+builds; only it can apply a delta version, shared/weights_delta.py: a vLLM server without it is
+refused a delta version before it is paused, saying how to fix that) ->
 update_weight_version -> reset_prefix_cache -> resume -> probe check (when the trainer sent
 a probe, the server must compute the trainer's logprobs before it gets work: shared/probe.py).
 Requests frozen by the pause continue on the new weights after resume, and vLLM's
@@ -36,6 +38,7 @@ from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
 from shared.http_client import Reply, TransportError
 from shared.probe import Probe, ProbeResult, compare, probe_request, served_logprobs
 from shared.probe import failed as probe_failed
+from shared.weights_delta import DeltaError, is_delta
 
 log = logging.getLogger("tandem.sampler.weights")
 
@@ -87,6 +90,7 @@ class WeightSync:
         self._syncing: set[asyncio.Task | None] = set()  # tasks now inside sync_server
         self._resuming: set[asyncio.Task] = set()  # the resume at the end of each sync
         self._background: set[asyncio.Task] = set()  # retries for servers that would not resume
+        self._plain_vllm: set[str] = set()  # URLs of vLLM servers without Tandem's extension (reload_method)
         # Called with every SyncResult (metrics); must not raise.
         self.on_synced: list[Callable[[SyncResult], None]] = []
 
@@ -166,18 +170,42 @@ class WeightSync:
         vLLM's `reload_weights`. Remembered until the server restarts."""
         if server.reload_method is None:
             method = "reload_weights"
+            plain_vllm = False
             try:
                 reply = await self.pool.http.get(server.url + "/server_info?config_format=json", timeout=30)
                 if reply.status_code == 200:
                     parallel = ((reply.json() or {}).get("vllm_config") or {}).get("parallel_config") or {}
                     if parallel.get("worker_extension_cls") == EXTENSION_CLS:
                         method = RELOAD_METHOD
+                    else:
+                        plain_vllm = True
             except (TransportError, ValueError, AttributeError):
                 pass  # asked again at the next sync: the reload itself will say what is wrong
             else:
                 server.reload_method = method
+                if plain_vllm:
+                    self._plain_vllm.add(server.url)
+                else:
+                    self._plain_vllm.discard(server.url)
             return method
         return server.reload_method
+
+    async def check_delta(self, server: Server, checkpoint_path: str) -> None:
+        """SyncStepError (status 409: this server cannot take this input; it stays in rotation on
+        its weights) when `checkpoint_path` is a delta version and `server` is vLLM without
+        Tandem's worker extension: vLLM's own reload would read delta.safetensors as weights."""
+        try:
+            delta = is_delta(checkpoint_path)
+        except DeltaError:
+            return  # unreadable manifest: the server's own load says what is wrong
+        if not delta:
+            return
+        await self.reload_method(server)
+        if server.url in self._plain_vllm and server.reload_method is not None:
+            raise SyncStepError("reload_weights", 409, (
+                f"server {server.url} cannot apply delta versions ({checkpoint_path} is one): start it with "
+                f"--worker-extension-cls {EXTENSION_CLS} (tandem's launcher does) or publish full versions "
+                "(trainer --full-every 1)"))
 
     def served_through(self, version: int, adapter: bool) -> str | None:
         """The adapter a server at `version` serves it through: the run's adapter in a LoRA run,
@@ -233,6 +261,8 @@ class WeightSync:
         pause_mode = "wait" if adapter and server.adapter is None else "keep"
         try:
             try:
+                if not adapter:
+                    await self.check_delta(server, checkpoint_path)  # before pausing it for nothing
                 await self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode})
                 paused = True
                 await self._load(server, checkpoint_path, adapter)
