@@ -426,11 +426,13 @@ def write_config(tmp: Path, config: Any, dtype: Any) -> None:
 
 
 def publish_delta(publish_root: Path | str, version: int, tensors: dict[str, Any], base_tensors: dict[str, Any],
-                  base_manifest: dict[str, Any], config: Any, *, dtype: Any, step: int) -> tuple[Path, dict[str, Any]]:
+                  base_manifest: dict[str, Any], config: Any, *, dtype: Any, step: int,
+                  max_share: float = 1.0) -> tuple[Path, dict[str, Any]]:
     """Version `version` as a delta on the version `base_manifest` describes (services/trainer/versions.py)."""
     from services.trainer.versions import publish_delta as publish
 
-    return publish(publish_root, version, tensors, base_tensors, base_manifest, config, dtype=dtype, step=step)
+    return publish(publish_root, version, tensors, base_tensors, base_manifest, config, dtype=dtype, step=step,
+                   max_share=max_share)
 
 
 def cast_tensors(state_dict: dict[str, Any], dtype: Any) -> dict[str, Any]:

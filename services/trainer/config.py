@@ -145,7 +145,13 @@ class TrainerSettings(TrackingSettings):
         description="where each step's weights are published for inference (unset: run_dir/published); "
         "a RAM disk such as /dev/shm/<run> saves disk writes. Inference servers must be able to read it",
     )
-    keep_published: int = Field(default=2, ge=1, description="how many published weight versions to keep on disk")
+    keep_published: int = Field(default=2, ge=1, description="how many published weight versions to keep on disk "
+                                "(and the chain of deltas each needs: a delta is kept with the versions it builds on)")
+    full_every: int = Field(
+        default=10, ge=1, le=1000,
+        description="publish a full version every N versions and the others as deltas on the one before "
+        "(only the values that changed, in publish_dtype); 1: every version whole. A LoRA adapter is always whole",
+    )
     checkpoint_every: int = Field(
         default=10, ge=1,
         description="write a full checkpoint (weights + optimizer state, what a resume starts from) every N steps "

@@ -83,6 +83,7 @@ from services.trainer.metrics import METRICS_FILE, MetricsLogger, ProgressBar, d
 from services.trainer.mismatch import BehaviourMismatchError, MismatchGuard
 from services.trainer.model_setup import set_up_model
 from services.trainer.probe import DTYPE_NAMES
+from services.trainer.publication import DELTA_MAX_SHARE, BackgroundProbe, Job, Published, Publisher, Writer
 from services.trainer.step_record import (
     all_reduce_rank_sums,
     learning_rate,
@@ -101,13 +102,6 @@ log = logging.getLogger("tandem.trainer")
 
 
 # -- the loop ------------------------------------------------------------------------------
-
-
-class _Gather:
-    """GATHER: the full weights are not gathered yet (a checkpoint outside a publication)."""
-
-
-GATHER = _Gather()
 
 
 @dataclass
@@ -159,6 +153,7 @@ class Trainer:
         self.client: SamplerClient | None = None
         self.metrics: MetricsLogger | None = None
         self.reporter: Reporter | None = None  # rank 0's, with report_to
+        self.publisher: Publisher | None = None  # versions published in the background
 
     async def run(self) -> dict[str, Any]:
         """Start, train steps start_step..max_steps-1, finish; returns the summary."""
@@ -168,7 +163,8 @@ class Trainer:
                 for step in range(self.state.start_step, self.settings.max_steps):
                     await self.step(step)
             except BehaviourMismatchError:
-                # Every rank stops at the same step: keep what it trained.
+                # Every rank stops at the same step: keep what it trained, its version out too.
+                await self.publisher.wait()
                 await self._final_checkpoint()
                 raise
             finally:
@@ -275,16 +271,16 @@ class Trainer:
                      f", resumed from {resumed_from}" if resumed_from else "")
         self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
                               checkpoint_step=start_step - 1 if resumed_from is not None else None)
+        self.publisher = self._publisher(loaded)
         if resumed_from is not None:
             # The previous run may have died between saving and publishing: publish the
-            # resumed version again (every rank: gathering the weights is a collective).
-            full = await self._in_thread(self._gather)
+            # resumed version again, whole (every rank: the snapshot is a collective under fsdp).
+            tensors = await self._in_thread(self.publisher.snapshot, self.sharding, self.model, self.publish_dtype,
+                                            trainable_only=self.lora is not None)
             if world.is_main:
-                self.state.last_published = await self._in_thread(self._write_published, start_step, start_step - 1,
-                                                                   full)
-                await self._publish(start_step, self.state.last_published)
+                self.publisher.start(Job(start_step, start_step - 1, tensors, None))
+                await self.publisher.wait()
             self.state.published_any = True
-            del full
         await self._in_thread(world.barrier)
 
         if world.is_main and s.eval_at_start:
@@ -313,21 +309,25 @@ class Trainer:
             record["retrained"] = True
         await self.drill.point("trained", step)
 
+        self.state.add_step(step, wait_s, train_s, sums, record["reward_mean"], result)
         await self._publish_step(step, batch, record, lr)
         await self._in_thread(world.barrier)
-        await self.drill.point("published", step)
-
-        self.state.add_step(step, wait_s, train_s, sums, record["reward_mean"], result)
-        if world.is_main:
-            self.metrics.write(record)
-            self.progress.update(step + 1, describe(record))
-            log.info(describe(record))
-            version = step + 1
-            if s.eval_every and version % s.eval_every == 0 and step + 1 < s.max_steps:
-                self._eval_tasks.append(asyncio.create_task(self._eval(step + 1, version, "periodic")))
-        # After the checkpoint and the metrics line: a stop loses no work. Every rank
-        # sees the same all-rank value, so all of them stop at the same step.
+        # After the checkpoint: a stop loses no work. Every rank sees the same all-rank value,
+        # so all of them stop at the same step.
         self.guard.observe(step, result.get("behaviour_mismatch"))
+
+    def _published(self, job: Job) -> None:
+        """Rank 0, when version job.version is out: the step's metrics line, then its evals."""
+        s, record = self.settings, job.record
+        if record is None:
+            return
+        self.state.last_published = self.publisher.last.path if self.publisher.last else None
+        self.metrics.write(record)
+        self.progress.update(job.step + 1, describe(record))
+        log.info(describe(record))
+        version = job.version
+        if s.eval_every and version % s.eval_every == 0 and version < s.max_steps:
+            self._eval_tasks.append(asyncio.create_task(self._eval(version, version, "periodic")))
 
     async def _next_batch(self, step: int) -> tuple[Batch, float]:
         """Batch `step` for this rank (the prefetched one when it came) and the seconds waited
@@ -361,66 +361,84 @@ class Trainer:
         return batch, wait_s
 
     async def _publish_step(self, step: int, batch: Batch, record: dict[str, Any], lr: float) -> None:
-        """Publish version step + 1 (every rank calls it: gathering the weights, the probe's
-        forward and the optimizer shards are collectives under fsdp; rank 0 writes and POSTs),
-        with a full checkpoint when one is due. Fills in the record's probe_s, write_s,
-        checkpoint_s, publish_s, published_bytes and checkpoint_bytes."""
+        """Version step + 1 (every rank calls it: the snapshot, a LoRA run's probe and the
+        checkpoint are collectives under fsdp): the publication in flight waited for, the
+        snapshot taken, a checkpoint written when due, then the publication started in the
+        background (services/trainer/publication.py), which writes the step's metrics line
+        when it is done. Fills in publish_wait_s, snapshot_s and (in the background) write_s,
+        probe_s, publish_s, published_bytes, publish_kind and delta_fraction."""
         s, state, world = self.settings, self.state, self.world
-        # Decided alike on every rank (the gathers below are collectives): the skip flags are
+        # Decided alike on every rank (the snapshot is a collective): the skip flags are
         # all-rank values, and every rank knows whether this run has published yet.
         unchanged = bool(record.get("skipped_no_signal") or record.get("skipped_non_finite"))
         reuse = unchanged and state.published_any
         checkpoint_due = (step + 1) % s.checkpoint_every == 0 or step + 1 == s.max_steps
 
-        full = None
-        if not reuse or checkpoint_due:
-            full = await self._in_thread(self._gather)
-        probe = await self._probe(batch, record)
-
-        if world.is_main:
-            t0 = time.monotonic()
-            if reuse:
-                path = state.last_published  # the weights did not move: version step + 1 = version step
-            else:
-                path = await self._in_thread(self._write_published, step + 1, step, full)
-                record["published_bytes"] = _dir_bytes(path)
-            record["write_s"] = time.monotonic() - t0
-            await self.drill.point("written", step)
+        record["publish_wait_s"] = await self.publisher.wait()
+        t0 = time.monotonic()
+        tensors = None
+        if not reuse:
+            tensors = await self._in_thread(self.publisher.snapshot, self.sharding, self.model, self.publish_dtype,
+                                            trainable_only=self.lora is not None)
+        record["snapshot_s"] = time.monotonic() - t0
+        job = Job(step + 1, step, tensors, record)
+        if not reuse:
+            if self.lora is not None:
+                job.probe = await self._probe(batch, record)  # needs the live base: on this thread
+            elif world.is_main:
+                job.probe_ids = self._probe_ids(batch)
         if checkpoint_due:
-            await self._checkpoint(step, lr, full, record)
-        del full
-
+            # Before the publication starts, so a checkpoint step's version is announced after
+            # its checkpoint is committed (the kill drill's order of points).
+            await self._checkpoint(step, lr, record)
         if world.is_main:
-            if step == state.start_step and state.before_eval is not None:
-                # The "before" eval must see the starting weights: publish only once it is done.
-                await state.before_eval
-            t0 = time.monotonic()
-            await self._publish(step + 1, path, probe=probe, metrics=published_metrics(record))
-            record["publish_s"] = time.monotonic() - t0
-            state.last_published = path
+            if step == state.start_step:
+                job.before_post = state.before_eval
+            self.publisher.start(job)
         state.published_any = True
-        if world.is_main:
-            # Prune only after publishing, so the previous published version stays on disk; and
-            # never the one the sampler serves (a retrained step's version is not served).
+        if not contract.can_prefetch(self.config.max_staleness):
+            # max_staleness 0: batch step + 1 needs this very version, so there is nothing to
+            # overlap with; waiting here keeps the ranks from asking for it too early.
+            record["publish_wait_s"] += await self.publisher.wait()
+
+    def _publisher(self, loaded: Any) -> Publisher:
+        s = self.settings
+        probe = None
+        if self.lora is None and s.probe_tokens and self.world.is_main:
+            probe = BackgroundProbe(self.model.config, self.world.device, loaded.dtype, self.publish_dtype)
+        writer = Writer(full=self._write_published,
+                        delta=self._write_delta if self.lora is None else None)
+
+        def prune(path: Path) -> None:
+            # Never the version the sampler serves (a retrained step's version is not served).
             ckpt.prune_published(self.publish_root, s.keep_published, protect=(self.served_path, path))
 
-    def _gather(self) -> dict[str, Any] | None:
-        """COLLECTIVE: what a version and a checkpoint hold, on rank 0: the full weights, or a
-        LoRA run's adapter alone (the frozen base is not gathered)."""
-        return self.sharding.full_state_dict(self.model, trainable_only=self.lora is not None)
+        return Publisher(self.publish_root, writer, post=self._publish, done=self._published, prune=prune,
+                         full_every=s.full_every, probe=probe, drill=self.drill, metrics=published_metrics)
 
-    def _write_published(self, version: int, step: int, full: dict[str, Any]) -> Path:
+    def _write_published(self, version: int, step: int, tensors: dict[str, Any]) -> Path:
         if self.lora is not None:
-            return self.lora.publish(self.publish_root, version, full, dtype=self.publish_dtype, step=step)
-        return ckpt.publish_weights(self.publish_root, version, full, self.model.config,
+            return self.lora.publish(self.publish_root, version, tensors, dtype=self.publish_dtype, step=step)
+        return ckpt.publish_weights(self.publish_root, version, tensors, self.model.config,
                                     dtype=self.publish_dtype, step=step)
 
-    async def _probe(self, batch: Batch, record: dict[str, Any]) -> dict[str, Any] | None:
-        """The probe of the weights just published (services/trainer/probe.py): rank 0's (None
-        elsewhere). Under fsdp the forward is a collective, so every rank runs it on rank 0's ids."""
-        from services.trainer.probe import compute_probe, probe_token_ids
+    def _write_delta(self, version: int, step: int, tensors: dict[str, Any], base: Published
+                     ) -> tuple[Path, dict[str, Any]]:
+        return ckpt.publish_delta(self.publish_root, version, tensors, base.tensors, base.manifest,
+                                  self.model.config, dtype=self.publish_dtype, step=step,
+                                  max_share=DELTA_MAX_SHARE)
 
-        ids = probe_token_ids(batch.samples[0], self.settings.probe_tokens) if self.world.is_main else None
+    def _probe_ids(self, batch: Batch) -> list[int] | None:
+        from services.trainer.probe import probe_token_ids
+
+        return probe_token_ids(batch.samples[0], self.settings.probe_tokens)
+
+    async def _probe(self, batch: Batch, record: dict[str, Any]) -> dict[str, Any] | None:
+        """The probe of the live weights (a LoRA run's, on the training thread): rank 0's (None
+        elsewhere). Under fsdp the forward is a collective, so every rank runs it on rank 0's ids."""
+        from services.trainer.probe import compute_probe
+
+        ids = self._probe_ids(batch) if self.world.is_main else None
         collective = self.sharding.kind == "fsdp"
         if collective:
             ids = await self._in_thread(self.sharding.broadcast_object, ids)
@@ -444,15 +462,17 @@ class Trainer:
         record["probe_s"] = time.monotonic() - t0
         return probe if self.world.is_main else None
 
-    async def _checkpoint(self, step: int, lr: float, full: dict[str, Any] | None | _Gather,
-                          record: dict[str, Any] | None = None) -> None:
-        """Full checkpoint `step` (every rank calls it): float32 weights (`full`, as gathered for
-        publication: rank 0's dict, None elsewhere; or GATHER) and optimizer state, for a resume;
-        rank 0 commits and prunes."""
+    def _gather(self) -> dict[str, Any] | None:
+        """COLLECTIVE: what a checkpoint holds, on rank 0: the full float32 weights, or a LoRA
+        run's adapter alone (the frozen base is not gathered)."""
+        return self.sharding.full_state_dict(self.model, trainable_only=self.lora is not None)
+
+    async def _checkpoint(self, step: int, lr: float, record: dict[str, Any] | None = None) -> None:
+        """Full checkpoint `step` (every rank calls it): float32 weights, gathered here, and
+        optimizer state, for a resume; rank 0 commits and prunes."""
         s, state, world = self.settings, self.state, self.world
         t0 = time.monotonic()
-        if full is GATHER:
-            full = await self._in_thread(self._gather)
+        full = await self._in_thread(self._gather)
         root, what = ckpt.checkpoint_dir(s.run_dir), f"checkpoint step-{step}"
         tmp = root / f".tmp-step-{step}"
         needed = ckpt.checkpoint_bytes(full, optimizer=s.save_optimizer) if world.is_main else 0
@@ -496,7 +516,7 @@ class Trainer:
         state = self.state
         last = state.last_step
         if last is not None and state.checkpoint_step != last:
-            await self._checkpoint(last, learning_rate(self.settings, last), GATHER)
+            await self._checkpoint(last, learning_rate(self.settings, last))
 
     # -- finish ---------------------------------------------------------------------------
 
@@ -505,6 +525,7 @@ class Trainer:
         on rank 0 written as the metrics' "end" line and run_dir/trainer_summary.json."""
         s, world, state = self.settings, self.world, self.state
         final_version = max(s.max_steps, state.start_step)
+        await self.publisher.wait()  # the last version is out before the "after" eval asks for it
         if state.before_eval is not None:
             await state.before_eval
         after = None
@@ -548,6 +569,8 @@ class Trainer:
         """Whatever start() set up, released; safe after a failure part-way through it."""
         for task in self._eval_tasks:
             task.cancel()
+        if self.publisher is not None:
+            await self.publisher.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.reporter is not None:

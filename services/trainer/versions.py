@@ -33,14 +33,15 @@ def snapshot(state_dict: dict[str, Any], config: Any, dtype: Any) -> dict[str, A
 
 
 def publish_delta(publish_root: Path | str, version: int, tensors: dict[str, Any], base_tensors: dict[str, Any],
-                  base_manifest: dict[str, Any], config: Any, *, dtype: Any, step: int
-                  ) -> tuple[Path, dict[str, Any]]:
+                  base_manifest: dict[str, Any], config: Any, *, dtype: Any, step: int,
+                  max_share: float = 1.0) -> tuple[Path, dict[str, Any]]:
     """Write `publish_root/version-{version}` as the delta from the version `base_manifest`
     describes (whose weights are `base_tensors`) to `tensors`, both publish-dtype snapshots
     (`snapshot`); atomically and refusing non-finite values, like every version
     (`checkpoint.write_version`). Returns its path and manifest. DeltaError when no delta
     can be made (the base has no digest, is no longer on disk, is not `base_tensors`, or the
-    tensors differ in names, shapes or dtypes): write a full version instead."""
+    tensors differ in names, shapes or dtypes), and when the delta's bytes would exceed
+    `max_share` of the full version's: write a full version instead."""
     root = Path(publish_root)
     dtype_name = str(dtype).removeprefix("torch.")
     base_version, base_digest = base_manifest.get("version"), base_manifest.get("digest")
@@ -63,6 +64,10 @@ def publish_delta(publish_root: Path | str, version: int, tensors: dict[str, Any
     if state_digest(checksums(base_tensors)) != base_digest:
         raise DeltaError(f"the base snapshot is not version {base_version}'s weights: write version {version} in full")
     delta, changed, total = encode(base_tensors, tensors)
+    share = ckpt.tensor_bytes(delta) / max(ckpt.tensor_bytes(tensors), 1)
+    if share > max_share:
+        raise DeltaError(f"{changed / max(total, 1):.1%} of the values changed, so a delta would be {share:.0%} of the "
+                         f"full version: write version {version} in full")
     sums = checksums(tensors)
     full_version = base_manifest.get("full_version", base_version) if base_manifest.get("kind") == "delta" \
         else base_version

@@ -1,0 +1,236 @@
+"""Publication off the trainer's critical path: a snapshot, then everything else in the background.
+
+After optimizer step N the trainer (services/trainer/trainer.py) does one thing for version N+1
+on its critical path: the snapshot (services/trainer/snapshot.py), the weights cast to the
+publish dtype and copied into host buffers the optimizer does not touch. It hands that to
+`Publisher.start` and trains step N+1 while the publisher, on its own thread and the event
+loop:
+
+  1. writes the version (services/trainer/checkpoint.py): a full one, or its difference from
+     the previous version (shared/weights_delta.py) when a chain is open and shorter than
+     `full_every`; the non-finite check happens there, so NaN never leaves the trainer;
+  2. computes the probe (services/trainer/probe.py) from the snapshot, with a copy of the model
+     of its own (`BackgroundProbe`), so the training thread never runs its forward (a LoRA
+     run's probe is computed on the critical path instead: its adapter is small and its
+     forward needs the live base);
+  3. POSTs `/weights_version`, which answers when the servers are synced and probed;
+  4. prunes old versions and calls `done(record)` (the step's metrics line, its evals).
+
+Invariants:
+* At most one publication is in flight. `wait()` (the trainer calls it before the next
+  snapshot) waits for it and says how long: the step record's `publish_wait_s`. Its error, if
+  any, is raised there, so a publication that fails stops the run at the next step.
+* The snapshot of version N+1 is written into the buffer set the publication of version N
+  no longer reads (two sets, swapped): the in-flight publication always reads its own.
+* A version whose weights did not move (a step without signal) takes no snapshot and writes
+  nothing: the previous version's directory and probe are announced again, in the background.
+* A delta's base is the version the publisher wrote last, by its digest; a restarted trainer
+  has none, so its first version is always full. Servers check the digest before applying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.trainer import snapshot as snapshots
+
+log = logging.getLogger("tandem.trainer.publication")
+
+# A sparse delta stores an index (4 bytes) beside each changed value: past this share of the
+# full version's bytes a full version is the better file, and the chain restarts there.
+DELTA_MAX_SHARE = 0.5
+
+
+@dataclass
+class Job:
+    """One version to publish. `tensors` is None when the weights did not move (`reuse`)."""
+
+    version: int
+    step: int
+    tensors: dict[str, Any] | None
+    record: dict[str, Any] | None  # the step's metrics record, filled in here; None: no metrics line
+    probe_ids: list[int] | None = None  # the probe's tokens, computed here from the snapshot
+    probe: dict[str, Any] | None = None  # a probe computed already (a LoRA run's)
+    before_post: asyncio.Task | None = None  # awaited before the POST (the "before" eval)
+
+
+@dataclass
+class Published:
+    """What the newest written version leaves for the next one."""
+
+    version: int  # the directory's version (a reused version points at an older directory)
+    path: Path
+    manifest: dict[str, Any]
+    tensors: dict[str, Any] | None  # its snapshot: the next delta's base (None for an adapter)
+    probe: dict[str, Any] | None
+    chain_length: int = 0  # deltas since the chain's full version
+
+
+@dataclass
+class Writer:
+    """How versions reach the disk: `full(version, step, tensors) -> path` and, for full
+    weights, `delta(version, step, tensors, base: Published) -> (path, manifest)` (None: an
+    adapter, always written whole)."""
+
+    full: Callable[[int, int, dict[str, Any]], Path]
+    delta: Callable[[int, int, dict[str, Any], Published], tuple[Path, dict[str, Any]]] | None = None
+
+
+@dataclass
+class Publisher:
+    root: Path
+    writer: Writer
+    post: Callable[..., Awaitable[None]]  # (version, path, probe=, metrics=) -> awaited POST
+    done: Callable[[Job], None]  # the step's record is complete (rank 0's metrics line, evals)
+    prune: Callable[[Path], None]  # after each POST: old versions pruned, sparing this path
+    full_every: int = 10
+    probe: BackgroundProbe | None = None
+    drill: Any = None
+    metrics: Callable[[dict[str, Any]], dict[str, float]] = dict  # the record -> the POST's metrics
+    last: Published | None = None
+    _buffers: list[dict[str, Any]] = field(default_factory=lambda: [{}, {}])
+    _task: asyncio.Task | None = None
+    _pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-publish"))
+
+    # -- the critical path ----------------------------------------------------------------
+
+    def free_buffers(self) -> dict[str, Any]:
+        """The buffer set the next snapshot may fill: not the one the newest version is in."""
+        held = self.last.tensors if self.last is not None else None
+        return self._buffers[1] if held is self._buffers[0] else self._buffers[0]
+
+    def snapshot(self, sharding: Any, model: Any, dtype: Any, *, trainable_only: bool = False) -> dict[str, Any] | None:
+        """COLLECTIVE under fsdp (call on the training thread, after `wait`): rank 0's snapshot."""
+        into = self.free_buffers()
+        snapshots.take(sharding, model, dtype, into, trainable_only=trainable_only)
+        return into if sharding.is_main else None
+
+    async def wait(self) -> float:
+        """Wait for the publication in flight (none: 0); its error is raised here."""
+        task, t0 = self._task, time.monotonic()
+        if task is None:
+            return 0.0
+        try:
+            await task
+        finally:
+            self._task = None
+        return time.monotonic() - t0
+
+    def start(self, job: Job) -> None:
+        if self._task is not None and not self._task.done():
+            raise RuntimeError(f"version {job.version}: a publication is still in flight (wait() first)")
+        self._task = asyncio.create_task(self._publish(job), name=f"publish-version-{job.version}")
+
+    async def close(self) -> None:
+        """Stop a publication in flight (the run is failing) and the thread."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        self._pool.shutdown(wait=False)
+
+    # -- the background -------------------------------------------------------------------
+
+    async def _publish(self, job: Job) -> None:
+        record = job.record if job.record is not None else {}
+        if job.tensors is None:
+            if self.last is None:
+                raise RuntimeError(f"version {job.version}: nothing published yet to announce again")
+            path, probe = self.last.path, self.last.probe
+            record["publish_kind"] = "reused"
+        else:
+            t0 = time.monotonic()
+            written = await self._in_thread(self._write, job)
+            record["write_s"] = time.monotonic() - t0
+            record.update(published_bytes=_dir_bytes(written.path), publish_kind=written.manifest.get("kind", "full"))
+            if "total_elements" in written.manifest:
+                record["delta_fraction"] = written.manifest["changed_elements"] / max(written.manifest["total_elements"], 1)
+            await self._point("written", job.step)
+            probe = job.probe
+            if probe is None and job.probe_ids is not None and self.probe is not None:
+                t0 = time.monotonic()
+                probe = await self._in_thread(self.probe.compute, job.tensors, job.probe_ids)
+                record["probe_s"] = time.monotonic() - t0
+            written.probe = probe
+            self.last = written
+            path = written.path
+        if job.before_post is not None:
+            await job.before_post  # the "before" eval must see the starting weights
+        t0 = time.monotonic()
+        await self.post(job.version, path, probe=probe, metrics=self.metrics(record) if job.record else None)
+        record["publish_s"] = time.monotonic() - t0
+        self.prune(path)
+        await self._point("published", job.step)
+        self.done(job)
+
+    def _write(self, job: Job) -> Published:
+        """On the publisher's thread: a delta when the chain allows it, else a full version."""
+        from shared.weights_delta import DeltaError
+
+        last, tensors = self.last, job.tensors
+        if (self.writer.delta is not None and last is not None and last.tensors is not None
+                and last.chain_length + 1 < self.full_every):
+            try:
+                path, manifest = self.writer.delta(job.version, job.step, tensors, last)
+            except DeltaError as exc:
+                log.info("version %d written whole: %s", job.version, exc)
+            else:
+                return Published(job.version, path, manifest, tensors, None, last.chain_length + 1)
+        path = self.writer.full(job.version, job.step, tensors)
+        from shared.weights_delta import read_manifest
+
+        return Published(job.version, path, read_manifest(path), tensors if self.writer.delta else None, None)
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _point(self, point: str, step: int) -> None:
+        if self.drill is not None:
+            await self.drill.point(point, step)
+
+
+class BackgroundProbe:
+    """The probe of a snapshot, computed off the training thread: a model of its own (built from
+    the config on first use, in the training model's dtype, on its device) takes the snapshot's
+    values, then runs `compute_probe` under autocast to the publish dtype, as the training
+    thread used to on the live model. Its weights are the published (rounded) values, which is
+    what the servers compute with."""
+
+    def __init__(self, config: Any, device: Any, dtype: Any, publish_dtype: Any):
+        self.config, self.device, self.dtype, self.publish_dtype = config, device, dtype, publish_dtype
+        self.model: Any = None
+
+    def compute(self, tensors: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        import torch
+
+        from services.trainer.probe import DTYPE_NAMES, compute_probe
+
+        if self.model is None:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_config(self.config, torch_dtype=self.dtype).to(self.device).eval()
+            self.model.requires_grad_(False)
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, value in tensors.items():
+                own[name].copy_(value, non_blocking=True)  # a tied LM head follows its embedding
+        device = torch.device(self.device)
+        compute = (contextlib.nullcontext() if self.publish_dtype == torch.float32
+                   else torch.autocast(device.type, dtype=self.publish_dtype))
+        with compute:
+            return compute_probe(self.model, ids, DTYPE_NAMES.get(self.publish_dtype))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+

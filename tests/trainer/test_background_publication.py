@@ -1,0 +1,116 @@
+"""Publication off the trainer's critical path (services/trainer/publication.py), against the
+real sampler and the real CPU inference server: versions are written, probed and POSTed while
+the next step trains; full versions every `full_every`, deltas between them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer import checkpoint as ckpt
+from services.trainer.trainer import train
+from shared import weights_delta
+from tests.trainer.test_integration import TOKEN, RecordingClient, _records, _settings, make_stack, stack  # noqa: F401
+
+
+class SlowPublishClient(RecordingClient):
+    """The real client, whose POST /weights_version takes `delay` seconds longer; remembers when
+    each POST ended and when each batch arrived."""
+
+    def __init__(self, *args, delay: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+        self.posted_at: dict[int, float] = {}
+        self.batch_at: dict[int, float] = {}
+
+    async def publish_weights(self, version: int, *args, **kwargs):
+        await asyncio.sleep(self.delay)
+        try:
+            return await super().publish_weights(version, *args, **kwargs)
+        finally:
+            self.posted_at[version] = time.monotonic()
+
+    async def get_batch(self, step: int, *args, **kwargs):
+        batch = await super().get_batch(step, *args, **kwargs)
+        self.batch_at.setdefault(step, time.monotonic())
+        return batch
+
+
+@pytest.mark.timeout(180)
+async def test_the_next_step_trains_while_a_version_publishes(stack, tiny_model_dir: Path, tmp_path: Path) -> None:
+    sampler, _ = stack  # max_staleness 1: batch N may come from version N-1
+    run_dir = tmp_path / "trainer"
+    async with SlowPublishClient(sampler.url, api_token=TOKEN, delay=1.5) as client:
+        summary = await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=4, eval_at_start=False,
+                                        eval_at_end=False), client)
+        served = await client.weights_version()
+    assert summary["final_version"] == 4 and served.version == 4
+    assert all(server.probe.ok for server in served.servers)
+    # Batch N (which training step N starts with) arrived while version N was still being
+    # announced: the trainer did not wait for the POST.
+    for version in (1, 2, 3):
+        assert client.batch_at[version] < client.posted_at[version], (version, client.batch_at, client.posted_at)
+    steps = _records(run_dir, "step")
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    for r in steps:
+        assert r["snapshot_s"] >= 0 and r["publish_s"] >= 1.5 and r["published_bytes"] > 0, r
+        assert r["publish_kind"] in ("full", "delta") and "write_s" in r and "probe_s" in r, r
+    # A step is much shorter than the 1.5 s POST: the next snapshot waited for it, and said so.
+    assert all(r["publish_wait_s"] > 0.5 for r in steps[1:]), [r["publish_wait_s"] for r in steps]
+
+
+@pytest.mark.timeout(180)
+async def test_deltas_between_full_versions_rebuild_the_trainers_weights(stack, tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    sampler, _ = stack
+    run_dir = tmp_path / "trainer"
+    async with RecordingClient(sampler.url, api_token=TOKEN) as client:
+        await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=6, eval_at_start=False, eval_at_end=False,
+                              learning_rate=1e-6, publish_dtype="bfloat16", full_every=3, keep_published=2,
+                              checkpoint_every=6), client)
+        served = await client.weights_version()
+    assert served.version == 6 and all(server.probe.ok for server in served.servers), served
+    steps = _records(run_dir, "step")
+    assert [r["publish_kind"] for r in steps] == ["full", "delta", "delta", "full", "delta", "delta"]
+    full_bytes = steps[0]["published_bytes"]
+    for r in steps:
+        if r["publish_kind"] == "delta":
+            assert r["published_bytes"] < 0.2 * full_bytes and 0 < r["delta_fraction"] < 0.05, r
+    # keep_published 2 keeps versions 5 and 6, and the full version 4 they are built on.
+    root = run_dir / "published"
+    assert [v for v, _ in ckpt.list_published(root)] == [4, 5, 6]
+    manifest = weights_delta.read_manifest(root / "version-6")
+    assert (manifest["kind"], manifest["base_version"], manifest["full_version"]) == ("delta", 5, 4)
+
+    # The chain rebuilds exactly the trainer's weights after step 5 (its checkpoint), in bf16.
+    from safetensors.torch import load_file
+
+    tensors, _ = weights_delta.load_state(root / "version-6")
+    trained = load_file(str(ckpt.step_path(run_dir, 5) / "model.safetensors"))
+    assert tensors.keys() <= trained.keys()
+    for name, value in tensors.items():
+        assert torch.equal(value, trained[name].to(torch.bfloat16)), name
+
+
+@pytest.mark.timeout(60)
+async def test_one_publication_in_flight_and_its_error_surfaces_at_the_next_wait(tmp_path: Path) -> None:
+    from services.trainer.publication import Job, Publisher, Writer
+
+    def full(version: int, step: int, tensors: dict) -> Path:
+        raise ValueError(f"refusing to publish version {version}: non-finite values in ['w']")
+
+    async def post(*args, **kwargs) -> None:
+        raise AssertionError("nothing may be announced after a failed write")
+
+    publisher = Publisher(tmp_path, Writer(full=full), post=post, done=lambda job: None, prune=lambda path: None)
+    publisher.start(Job(1, 0, {"w": torch.zeros(2)}, {}))
+    with pytest.raises(RuntimeError, match="still in flight"):
+        publisher.start(Job(2, 1, {"w": torch.zeros(2)}, {}))
+    with pytest.raises(ValueError, match="non-finite"):
+        await publisher.wait()
+    assert await publisher.wait() == 0.0  # nothing in flight any more
+    await publisher.close()
