@@ -152,6 +152,11 @@ class TrainerSettings(TrackingSettings):
         description="publish a full version every N versions and the others as deltas on the one before "
         "(only the values that changed, in publish_dtype); 1: every version whole. A LoRA adapter is always whole",
     )
+    publish_in_background: bool = Field(
+        default=True,
+        description="write, probe and announce each version while the next step trains; False: wait for each "
+        "publication before the next step, as before 0.1.0 (for comparison and debugging: bench overlap)",
+    )
     checkpoint_every: int = Field(
         default=10, ge=1,
         description="write a full checkpoint (weights + optimizer state, what a resume starts from) every N steps "

@@ -396,9 +396,10 @@ class Trainer:
                 job.before_post = state.before_eval
             self.publisher.start(job)
         state.published_any = True
-        if not contract.can_prefetch(self.config.max_staleness):
+        if not contract.can_prefetch(self.config.max_staleness) or not s.publish_in_background:
             # max_staleness 0: batch step + 1 needs this very version, so there is nothing to
             # overlap with; waiting here keeps the ranks from asking for it too early.
+            # publish_in_background False: the publication inline, as before (bench overlap).
             record["publish_wait_s"] += await self.publisher.wait()
 
     def _publisher(self, loaded: Any) -> Publisher:
