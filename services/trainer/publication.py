@@ -160,6 +160,7 @@ class Publisher:
                 t0 = time.monotonic()
                 probe = await self._in_thread(self.probe.compute, job.tensors, job.probe_ids)
                 record["probe_s"] = time.monotonic() - t0
+            await self._point("probed", job.step)
             written.probe = probe
             self.last = written
             path = written.path

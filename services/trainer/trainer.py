@@ -381,6 +381,7 @@ class Trainer:
             tensors = await self._in_thread(self.publisher.snapshot, self.sharding, self.model, self.publish_dtype,
                                             trainable_only=self.lora is not None)
         record["snapshot_s"] = time.monotonic() - t0
+        await self.drill.point("snapshot", step)
         job = Job(step + 1, step, tensors, record)
         if not reuse:
             if self.lora is not None:

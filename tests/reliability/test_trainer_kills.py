@@ -68,7 +68,9 @@ def trainer_argv(model: Path, url: str, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "services.cli", "trainer", "--model", str(model), "--sampler-url", url,
             "--run-dir", str(run_dir), "--per-device-batch-size", "4", "--grad-accum-steps", "2",
             "--max-steps", str(MAX_STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--keep-published", "1",
-            "--learning-rate", "1e-3", "--device", "cpu", "--no-progress", "--no-eval-at-start",
+            # bf16 versions at a small learning rate: deltas between full versions every 3 (the chain
+            # crosses the kills), as a run at RL's learning rates publishes them.
+            "--learning-rate", "1e-6", "--publish-dtype", "bfloat16", "--full-every", "3", "--device", "cpu", "--no-progress", "--no-eval-at-start",
             "--no-eval-at-end", "--poll-timeout", "10"]
 
 
@@ -182,7 +184,7 @@ def kill_and_resume(tmp: Path, cleanup: Cleanup, model: Path, *, point: str | No
 def test_a_trainer_killed_at_each_moment_of_a_checkpoint_step_resumes(point: str, tmp_path: Path, tiny_model: Path,
                                                                       cleanup: Cleanup) -> None:
     result = kill_and_resume(tmp_path, cleanup, tiny_model, point=point)
-    if point in ("fetched", "trained", "written", "checkpoint"):
+    if point in ("fetched", "trained", "snapshot", "checkpoint"):
         # Killed before checkpoint step-5 committed, with version 5 out: batch 3 is needed again,
         # two behind the published version, which keep_batches 1 alone would have deleted.
         assert result["resumed_at"] == 3 and result["published_at_kill"] == 5, result
