@@ -151,6 +151,7 @@ class Publisher:
             t0 = time.monotonic()
             written = await self._in_thread(self._write, job)
             record["write_s"] = time.monotonic() - t0
+            record["written_at"] = time.time()
             record.update(published_bytes=_dir_bytes(written.path), publish_kind=written.manifest.get("kind", "full"))
             if "total_elements" in written.manifest:
                 record["delta_fraction"] = written.manifest["changed_elements"] / max(written.manifest["total_elements"], 1)

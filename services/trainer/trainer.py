@@ -381,6 +381,7 @@ class Trainer:
             tensors = await self._in_thread(self.publisher.snapshot, self.sharding, self.model, self.publish_dtype,
                                             trainable_only=self.lora is not None)
         record["snapshot_s"] = time.monotonic() - t0
+        record["snapshot_at"] = time.time()  # the end of the step's critical path (the dashboard's timeline)
         await self.drill.point("snapshot", step)
         job = Job(step + 1, step, tensors, record)
         if not reuse:

@@ -48,9 +48,10 @@ def test_vllm_command_has_the_design_flags() -> None:
     assert _flag(argv, "--dtype") == "bfloat16"
     assert _flag(argv, "--served-model-name") == "/models/qwen"  # vLLM's default id: the --model string
     assert argv[-3:] == ["--enable-prefix-caching", "--max-num-batched-tokens", "16384"]
-    # The CPU workarounds stay off the GPU command line.
-    for cpu_only in ("--worker-extension-cls", "--no-enable-chunked-prefill"):
-        assert cpu_only not in argv
+    # The CPU workaround stays off the GPU command line; Tandem's worker extension does not:
+    # it applies delta versions (docs/vllm.md, Delta versions) on every build.
+    assert "--no-enable-chunked-prefill" not in argv
+    assert _flag(argv, "--worker-extension-cls") == "services.inference.vllm_ext.TandemWorkerExtension"
     assert env.get("VLLM_CPU_KVCACHE_SPACE") == os.environ.get("VLLM_CPU_KVCACHE_SPACE")
 
 
@@ -108,8 +109,8 @@ def test_a_token_closes_vllm_through_its_key_and_the_guard_and_stays_off_the_com
     argv, env = build_command(InferenceSettings(model="m", backend="vllm"), install)
     assert "--middleware" not in argv and GUARD_CLS not in argv
     assert "VLLM_API_KEY" not in env and "TANDEM_API_TOKEN" not in env
-    if not install.cpu:  # the GPU build imports nothing of the repository's without a token
-        assert env["PYTHONPATH"] == "/elsewhere"
+    # Every build imports the worker extension from the repository, token or not.
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
 
 
 def test_the_token_guard_imports_with_the_standard_library_only() -> None:

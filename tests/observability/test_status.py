@@ -119,3 +119,17 @@ def test_timeline_derives_training_from_publish_times():
     assert rows[2]["gen_start"] == 6.0 and rows[2]["gen_end"] == 9.0
     assert timeline(batches[2:], {1: 5.0})[0]["train_start"] is None  # version 2 not published yet
     assert staleness_histogram(batches) == {"0": 5, "1": 7}
+
+
+def test_timeline_takes_training_and_publication_from_the_trainers_metrics():
+    """A trainer that publishes in the background sends when its snapshot ended and how long
+    each part took; the sampler adds each server's apply seconds (POST /weights_version)."""
+    batches = [{"step": 0, "generation_started_at": 0.0, "sealed_at": 2.0},
+               {"step": 1, "generation_started_at": 1.0, "sealed_at": 3.0}]
+    trainer = [{"version": 1, "train_s": 4.0, "snapshot_s": 0.5, "snapshot_at": 7.0, "write_s": 1.0,
+                "written_at": 8.5, "at": 9.0, "apply_s": {"http://a": 0.25, "http://b": 0.5}},
+               {"version": 2, "train_s": 3.0}]  # an older trainer's record: derived as before
+    rows = timeline(batches, {1: 9.0, 2: 12.0}, trainer)
+    assert (rows[0]["train_start"], rows[0]["train_end"]) == (2.5, 6.5)
+    assert rows[0]["publish"] == {"snapshot": [6.5, 7.0], "write": [7.5, 8.5], "apply": [8.5, 9.0]}
+    assert (rows[1]["train_start"], rows[1]["train_end"], rows[1].get("publish")) == (9.0, 12.0, None)

@@ -43,6 +43,7 @@ async def dashboard_data(
     # Seal order is not step order when max_staleness >= 1; charts want steps in order.
     recent = sorted(await state.store.recent_batch_stats(batches), key=lambda b: b["step"])
     published = await state.store.version_publish_times()
+    trainer = await state.store.recent_trainer_metrics(batches)
     return {
         "now": time.time(),
         "batches": [
@@ -52,11 +53,11 @@ async def dashboard_data(
             for b in recent
         ],
         "staleness_histogram": staleness_histogram(recent),
-        "timeline": timeline(recent, published),
+        "timeline": timeline(recent, published, trainer),
         "versions": [{"version": v, "published_at": t} for v, t in sorted(published.items())],
         "evals": await recent_evals(state.evals),
         # The trainer's per-step metrics, sent with each POST /weights_version (behaviour_mismatch...).
-        "trainer": await state.store.recent_trainer_metrics(batches),
+        "trainer": trainer,
         "throughput": state.throughput.series(),
         "rollouts": state.recent_rollouts.latest(rollouts),
     }

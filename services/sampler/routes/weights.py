@@ -89,6 +89,8 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
         if outcome == 2:
             await state.store.trim_below(body.version - state.settings.keep_batches, body.resume_step)
             if body.metrics:
-                await state.store.add_trainer_metrics(body.version, body.metrics)
+                # With each server's sync seconds: the dashboard's timeline draws the apply.
+                applied = {r.url: round(r.seconds, 4) for r in results if r.ok} if body.checkpoint_path else {}
+                await state.store.add_trainer_metrics(body.version, {**body.metrics, "apply_s": applied})
         state.notifier.notify()
     return await _current(state)

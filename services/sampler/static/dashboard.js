@@ -189,8 +189,13 @@ function barChart(canvas, bars, opts = {}) {
   canvas.dataset.points = String(bars.length);
 }
 
-// rows: [{step, gen_start, gen_end, train_start, train_end}] (unix seconds); one lane per step,
-// generation in the upper half, training in the lower half, so overlap reads vertically.
+// rows: [{step, gen_start, gen_end, train_start, train_end, publish?}] (unix seconds); one lane
+// per step, generation in the upper half, training in the lower half, so overlap reads
+// vertically. `publish` ({snapshot, write, apply}: [start, end]) is version step+1's way out,
+// drawn as a thin strip under the training bar: the snapshot on the trainer's critical path,
+// the write and the servers' apply in the background while the next step trains.
+const PUBLISH_PARTS = [["snapshot", "#ff5d5d"], ["write", "#b48cff"], ["apply", "#3ecf8e"]];
+
 function timelineChart(canvas, rows, now) {
   rows = rows.filter((r) => r.gen_start != null).slice(-16);
   if (!rows.length) { emptyChart(canvas); return; }
@@ -229,8 +234,18 @@ function timelineChart(canvas, rows, now) {
       ctx.globalAlpha = 1;
       points += 1;
     }
+    const strip = Math.max(1, barH / 3);
+    for (const [part, color] of PUBLISH_PARTS) {
+      const span = r.publish && r.publish[part];
+      if (!span) continue;
+      const px = X(span[0]), pw = Math.max(2, X(span[1]) - px);
+      ctx.fillStyle = color;
+      ctx.fillRect(px, y + lane / 2 + barH - strip, pw, strip);
+      points += 1;
+    }
   });
-  legend(ctx, w, [{ name: "generation", color: COLORS.gen }, { name: "training", color: COLORS.train }]);
+  legend(ctx, w, [{ name: "generation", color: COLORS.gen }, { name: "training", color: COLORS.train },
+    ...PUBLISH_PARTS.map(([part, color]) => ({ name: part, color }))]);
   canvas.dataset.points = String(points);
 }
 
