@@ -175,22 +175,7 @@ class Publisher:
         self.done(job)
 
     def _write(self, job: Job) -> Published:
-        """On the publisher's thread: a delta when the chain allows it, else a full version."""
-        from shared.weights_delta import DeltaError
-
-        last, tensors = self.last, job.tensors
-        if (self.writer.delta is not None and last is not None and last.tensors is not None
-                and last.chain_length + 1 < self.full_every):
-            try:
-                path, manifest = self.writer.delta(job.version, job.step, tensors, last)
-            except DeltaError as exc:
-                log.info("version %d written whole: %s", job.version, exc)
-            else:
-                return Published(job.version, path, manifest, tensors, None, last.chain_length + 1)
-        path = self.writer.full(job.version, job.step, tensors)
-        from shared.weights_delta import read_manifest
-
-        return Published(job.version, path, read_manifest(path), tensors if self.writer.delta else None, None)
+        return write_next(self.writer, self.last, job.version, job.step, job.tensors, self.full_every)
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -198,6 +183,25 @@ class Publisher:
     async def _point(self, point: str, step: int) -> None:
         if self.drill is not None:
             await self.drill.point(point, step)
+
+
+def write_next(writer: Writer, last: Published | None, version: int, step: int, tensors: dict[str, Any],
+               full_every: int) -> Published:
+    """Version `version` on disk (on the publisher's thread): a delta on `last` when the chain
+    allows it (`last` holds a snapshot, the chain is shorter than `full_every`, and the delta
+    can be made and is small enough), else a full version. Shared with the TRL bridge."""
+    from shared.weights_delta import DeltaError, read_manifest
+
+    if (writer.delta is not None and last is not None and last.tensors is not None
+            and last.chain_length + 1 < full_every):
+        try:
+            path, manifest = writer.delta(version, step, tensors, last)
+        except DeltaError as exc:
+            log.info("version %d written whole: %s", version, exc)
+        else:
+            return Published(version, path, manifest, tensors, None, last.chain_length + 1)
+    path = writer.full(version, step, tensors)
+    return Published(version, path, read_manifest(path), tensors if writer.delta else None, None)
 
 
 class BackgroundProbe:

@@ -264,6 +264,8 @@ class Trainer:
                                 "lora": self.lora.spec.record() if self.lora else None,
                                 "temperature": temperature, "truncation": truncation.describe(),
                                 "resumed_from": str(resumed_from) if resumed_from else None,
+                                # The sampler's version as this run found it: steps below it are retrained.
+                                "sampler_version": served.version,
                                 "sampler_config": self.config.model_dump(), "settings": self.public_settings})
             log.info("trainer: steps %d..%d, %d rank(s) on %s, loss %s, temperature %g, truncation %s%s",
                      start_step, s.max_steps - 1, world.world_size, world.device, s.loss, temperature,
