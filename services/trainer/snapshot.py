@@ -44,13 +44,29 @@ def take(sharding: Any, model: torch.nn.Module, dtype: torch.dtype, into: dict[s
     else:
         items = publishable(model)
     for name, tensor in items:
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)  # on the tensor's own device (a DTensor casts its shard)
+        tensor = _cast(tensor, dtype)  # on the tensor's own device (a DTensor casts its shard)
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()  # every rank, same order
         if sharding.is_main:
             _copy_into(into, name, tensor)
-    if sharding.is_main and torch.cuda.is_available() and any(t.is_pinned() for t in into.values()):
+    if sharding.is_main:
+        _settle(into)
+
+
+def copy_into(into: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """`tensors` (a gathered state dict, untied) cast to `dtype` where they are and copied into
+    the reusable buffers `into` (the TRL bridge's snapshot: accelerate did the gathering)."""
+    for name, tensor in tensors.items():
+        _copy_into(into, name, _cast(tensor.detach(), dtype))
+    _settle(into)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+
+def _settle(into: dict[str, torch.Tensor]) -> None:
+    if torch.cuda.is_available() and any(t.is_pinned() for t in into.values()):
         torch.cuda.synchronize()  # the non-blocking copies into pinned buffers have landed
 
 

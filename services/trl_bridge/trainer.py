@@ -11,10 +11,12 @@ its micro-batches, accumulates gradients, steps the optimizer, logs and checkpoi
 Mapping onto TRL's knobs:
 
 * **Steps and versions.** Batch N feeds optimizer step N; after it, the callback below
-  publishes version N + 1 (weights written, probe computed, `POST /weights_version`) and every
-  rank waits at a barrier, so no rank asks for batch N + 1 before version N + 1 is out. Batch
-  N + 1 is prefetched while step N trains whenever the sampler's max_staleness allows it
-  (`contract.can_prefetch`), as the native trainer does. Staleness is the sampler's: this side
+  publishes version N + 1: the weights copied aside and the probe computed, then the write and
+  `POST /weights_version` in the background while step N + 1 trains (services/trl_bridge/
+  publication.py; at most one in flight, the wait before the next recorded as
+  `publish_wait_s`). With the sampler's max_staleness 0 batch N + 1 needs version N + 1, so the
+  callback waits for it there. Batch N + 1 is prefetched while step N trains whenever the
+  sampler's max_staleness allows it (`contract.can_prefetch`), as the native trainer does. Staleness is the sampler's: this side
   never drops or reorders samples.
 * **num_iterations (mu).** TRL's mu reuses a generation batch for mu optimizer steps. Here
   those mu passes belong to one sampler step (`agreement.tandem_step`), like the native
@@ -88,7 +90,8 @@ class TandemGRPOTrainer(GRPOTrainer):
     start from). `args`: a GRPOConfig whose batch shape, num_generations and temperature agree with
     the sampler (see `agreement.grpo_config_values`), with `max_steps` set. The rest are Tandem's:
     where the sampler is, where published weights go (readable by the inference servers), how many
-    stay, the probe's length (0: none), and the evals' size and patience."""
+    stay, a full version every `full_every` (deltas between), the probe's length (0: none), and
+    the evals' size and patience."""
 
     def __init__(self, model: Any, args: GRPOConfig, *, sampler_url: str, api_token: str | None = None,
                  processing_class: Any = None, callbacks: list[TrainerCallback] | None = None,
@@ -96,7 +99,7 @@ class TandemGRPOTrainer(GRPOTrainer):
                  publish_dir: str | Path | None = None, keep_published: int = 2, probe_tokens: int = 64,
                  publish_dtype: torch.dtype | None = None, eval_examples: int | None = None,
                  eval_timeout: float = 1800.0, poll_timeout: float = 30.0, batch_timeout: float | None = None,
-                 skip_steps_without_signal: bool = True):
+                 skip_steps_without_signal: bool = True, full_every: int = 10):
         if args is None:
             raise ValueError("args is required: a GRPOConfig with max_steps and the sampler's batch shape")
         if type(model).__name__.startswith("Peft"):
@@ -150,7 +153,7 @@ class TandemGRPOTrainer(GRPOTrainer):
         # A LoRA run publishes its adapter alone (TRL wrapped the model in a PeftModel).
         self.tandem_adapter = peft_config is not None
         self.publisher = Publisher(link, root, keep=keep_published, probe_tokens=probe_tokens, dtype=publish_dtype,
-                                   adapter=self.tandem_adapter)
+                                   adapter=self.tandem_adapter, full_every=full_every)
         self.eval_examples = eval_examples
         self.eval_timeout = eval_timeout
         # What happened, step by step, for summaries and tests: one entry per batch fetched and
@@ -329,25 +332,34 @@ class TandemGRPOTrainer(GRPOTrainer):
     # -- versions out ------------------------------------------------------------------------
 
     def publish_version(self, version: int) -> None:
-        """Version `version` out through the sampler (every rank calls it: gathering the state dict
-        is a collective under sharding); the barrier at the end keeps every rank from asking for
-        the next batch before the version that batch may need is published."""
+        """Version `version` on its way out through the sampler (every rank calls it: gathering the
+        state dict is a collective under sharding). The main process snapshots it and returns while
+        the publication runs on (`Publisher`); its metrics line is written once the sampler has it.
+        With max_staleness 0 it waits for it here, and the barrier keeps every rank from asking
+        for the next batch before then."""
         acc = self.accelerator
         state_dict = acc.get_state_dict(self.model)
         if acc.is_main_process:
             metrics = {k: float(v) for k, v in list(self._step_metrics.items())[:MAX_METRICS]
                        if isinstance(v, (int, float)) and math.isfinite(v)}
-            info = self.publisher.publish(version, version - 1, acc.unwrap_model(self.model), state_dict,
-                                          self._probe_sample, metrics=metrics, resume_step=self.tandem_resume_step)
-            self.tandem_publications.append({"version": version, "global_step": self.state.global_step,
-                                             "at": time.time(), **info})
             fetched = self.tandem_batches[-1] if self.tandem_batches else {}
-            self.metrics_log.write({
-                "event": "step", "step": version - 1, "version": version, "optimizer_step": self.state.global_step,
-                **self._step_metrics, "train_s": time.time() - fetched.get("fetched_at", time.time()),
-                "publish_s": info["write_s"] + info["probe_s"] + info["publish_s"],
-                "skipped_no_signal": not self._batch_has_signal and self.skip_steps_without_signal,
-                "grad_norm": self._last_grad_norm})
+            line = {"event": "step", "step": version - 1, "version": version, "optimizer_step": self.state.global_step,
+                    **self._step_metrics, "train_s": time.time() - fetched.get("fetched_at", time.time()),
+                    "skipped_no_signal": not self._batch_has_signal and self.skip_steps_without_signal,
+                    "grad_norm": self._last_grad_norm}
+            entry = {"version": version, "global_step": self.state.global_step}
+
+            def done(info: dict[str, Any]) -> None:  # on the publisher's thread
+                entry.update(at=time.time(), **info)
+                self.tandem_publications.append(entry)
+                self.metrics_log.write({**line, **{k: v for k, v in entry.items()
+                                                   if k not in ("version", "path", "global_step", "at")}})
+
+            entry.update(self.publisher.publish(version, version - 1, acc.unwrap_model(self.model), state_dict,
+                                                self._probe_sample, metrics=metrics,
+                                                resume_step=self.tandem_resume_step, done=done))
+            if not contract.can_prefetch(self.sampler_config.max_staleness):
+                entry["publish_wait_s"] += self.publisher.wait()
         del state_dict
         acc.wait_for_everyone()
 
@@ -391,7 +403,9 @@ class TandemGRPOTrainer(GRPOTrainer):
         return metrics
 
     def close(self) -> None:
-        """Stop the sampler link (its thread and connections) and close the metrics file."""
+        """Stop the publisher and the sampler link (their threads and connections) and close the
+        metrics file."""
+        self.publisher.close()
         self._link.close()
         self.metrics_log.close()
 
@@ -443,6 +457,11 @@ class _PublishEachVersion(TrainerCallback):
         version = version_after(state.global_step, self.trainer.num_iterations)
         if version is not None:
             self.trainer.publish_version(version)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The last version is out (or its error raised) before train() returns.
+        if self.trainer.accelerator.is_main_process:
+            self.trainer.publisher.wait()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._note_checkpoint(args, state)  # TRL calls this once the checkpoint is written

@@ -28,6 +28,7 @@ from services.trl_bridge.trainer import TandemGRPOTrainer  # noqa: E402
 from shared import contract  # noqa: E402
 from shared.contract import ContractError  # noqa: E402
 from shared.token_guard import bearer_headers  # noqa: E402
+from shared.weights_delta import load_state  # noqa: E402
 from tests.support.servers import REPO, free_port  # noqa: E402
 from tests.trl.conftest import TOKEN  # noqa: E402
 
@@ -256,7 +257,7 @@ def test_a_step_without_signal_leaves_the_weights_alone(make_toy_stack, tiny_mod
     assert all(b["reward_mean"] == 1.0 for b in trainer.tandem_batches)
     assert trainer.skipped_steps_no_signal == (2 if skip else 0)
     start = load_file(tiny_model_dir / "model.safetensors")
-    final = load_file(Path(trainer.tandem_publications[-1]["path"]) / "model.safetensors")
+    final, _ = load_state(trainer.tandem_publications[-1]["path"])  # whole, or a delta's chain replayed
     unchanged = [name for name in start if torch.equal(start[name], final[name].to(start[name].dtype))]
     if skip:
         assert len(unchanged) == len(start)
@@ -324,8 +325,6 @@ class _NaNLossAtStep1(TandemGRPOTrainer):
 def test_a_non_finite_gradient_skips_the_step(make_toy_stack, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Step 1's gradients are NaN: that step leaves the weights as step 0 left them (version 2 ==
     version 1, bit for bit, no NaN published), it is counted and logged, and step 2 trains on."""
-    from safetensors.torch import load_file
-
     # CountEnv's rewards vary within a group (output length), so every batch has signal.
     sampler, _ = make_toy_stack(env="tests.support.envs:CountEnv", prompts_per_step=2, num_generations=4,
                                 eval_examples=4)
@@ -337,7 +336,7 @@ def test_a_non_finite_gradient_skips_the_step(make_toy_stack, tiny_model_dir: Pa
         trainer.close()
 
     assert trainer.skipped_steps_non_finite == 1
-    v1, v2, v3 = (load_file(Path(p["path"]) / "model.safetensors") for p in trainer.tandem_publications)
+    v1, v2, v3 = (load_state(p["path"])[0] for p in trainer.tandem_publications)
     assert all(torch.equal(v1[n], v2[n]) for n in v1)
     assert all(torch.isfinite(t).all() for t in v3.values())
     assert trainer.skipped_steps_no_signal == 0
