@@ -114,3 +114,13 @@ async def test_one_publication_in_flight_and_its_error_surfaces_at_the_next_wait
         await publisher.wait()
     assert await publisher.wait() == 0.0  # nothing in flight any more
     await publisher.close()
+
+
+@pytest.mark.parametrize("value, says", [("0", "greater than or equal to 1"), ("1001", "less than or equal to 1000")])
+def test_a_full_every_out_of_range_is_refused_naming_the_flag(value: str, says: str, tmp_path: Path) -> None:
+    from services.trainer.config import TrainerSettings
+    from shared.settings import SettingsError, build
+
+    with pytest.raises(SettingsError) as info:
+        build(TrainerSettings, {"model": str(tmp_path), "sampler_url": "http://127.0.0.1:9", "full_every": value})
+    assert "--full-every" in str(info.value) and says in str(info.value)
