@@ -1,5 +1,6 @@
 """Run every benchmark, or the ones named: `python -m bench [NAME ...]`; or one with options:
-`python -m bench NAME --option ...`, for a bench that has `parse_args` (e.g. corrections).
+`python -m bench NAME --option ...`, for a bench that has `parse_args` (e.g. corrections, overlap:
+`python -m bench overlap --servers cpu --steps 20`).
 
 Each `bench/bench_<name>.py` exposes `run(results_dir: Path) -> dict` and writes its own
 JSON and markdown into `bench/results/`; one with options also `parse_args(argv) -> dict`,

@@ -104,3 +104,23 @@ def test_gpu_bench_runs_its_code_path_on_the_cpu(tmp_path, lora_rank):
         # The adapter alone is published: far fewer bytes than the model's parameters in bf16/f32.
         assert result["trainable_params"] < result["model"]["params"]
         assert all(p["bytes"] < result["model"]["params"] * 2 for p in result["publication"])
+
+
+def test_overlap(tmp_path):
+    from bench import bench_overlap
+
+    result = bench_overlap.run(tmp_path, smoke=True, lrs=(1e-6,), steps=3, root=str(tmp_path))
+    written = _written(tmp_path, "overlap-smoke")
+    assert written["runs"] == json.loads(json.dumps(result["runs"]))
+    before, after = result["runs"]
+    assert (before["path"], after["path"]) == ("before", "after")
+    assert [v["kind"] for v in before["versions"]] == ["full"] * 3
+    assert [v["kind"] for v in after["versions"]] == ["full", "delta", "delta"]
+    for run in (before, after):
+        assert run["steps"] == 3 and 0 < run["busy_fraction"] <= 1
+        for v in run["versions"]:
+            assert v["bytes"] > 0 and v["write_s"] > 0 and v["critical_s"] >= 0
+            assert [s["probe_ok"] for s in v["servers"]] == [True] and v["servers"][0]["sync_s"] > 0
+    assert {t["target"] for t in result["targets"]} >= {"trainer critical-path publication <= 5 % of the step"}
+    markdown = (tmp_path / "overlap-smoke.md").read_text()
+    assert "MET" in markdown and markdown.count("### cpu, lr 1e-06") == 1
