@@ -321,9 +321,10 @@ class Trainer:
     def _published(self, job: Job) -> None:
         """Rank 0, when version job.version is out: the step's metrics line, then its evals."""
         s, record = self.settings, job.record
+        if self.publisher.last is not None:
+            self.state.last_published = self.publisher.last.path
         if record is None:
             return
-        self.state.last_published = self.publisher.last.path if self.publisher.last else None
         self.metrics.write(record)
         self.progress.update(job.step + 1, describe(record))
         log.info(describe(record))
