@@ -616,6 +616,9 @@ class Engine:
         )
 
     def _load_weights(self, path: Path) -> dict[str, Any]:
-        result = weights_load.load(self.model, self.adapters, path, self.weights_digest)
+        try:
+            result = weights_load.load(self.model, self.adapters, path, self.weights_digest)
+        except weights_load.WeightsError as exc:
+            raise RequestError(str(exc), param="weights_path") from None
         self.weights_digest = result.digest
         return result.as_dict()

@@ -7,7 +7,7 @@
 * A model or checkpoint directory, or a full version: its `*.safetensors` are read, checked
   against the version's checksums when its manifest has them (shared/weights_delta.py),
   then names and shapes against the model's, and only then copied in: a bad or corrupt
-  directory is a RequestError (400) and changes nothing.
+  directory is a WeightsError (the engine answers it 400) and changes nothing.
 * A delta version whose `base_digest` is `held`: applied in place to the live parameters
   (under their checkpoint names, LoRA-wrapped base layers included; a tied `lm_head` follows
   the embedding it is), each changed tensor verified against the manifest's checksums;
@@ -49,10 +49,12 @@ class Reload:
                 "digest": self.digest, "seconds": round(self.seconds, 4)}
 
 
-def _error(message: str) -> Exception:
-    from services.inference.engine import RequestError
+class WeightsError(ValueError):
+    """A directory that cannot be loaded: the engine answers it as a 400 on `weights_path`."""
 
-    return RequestError(message, param="weights_path")
+
+def _error(message: str) -> Exception:
+    return WeightsError(message)
 
 
 def load(model: Any, adapters: Any, path: Path, held: str | None) -> Reload:
