@@ -60,6 +60,7 @@ class Job:
     probe_ids: list[int] | None = None  # the probe's tokens, computed here from the snapshot
     probe: dict[str, Any] | None = None  # a probe computed already (a LoRA run's)
     before_post: asyncio.Task | None = None  # awaited before the POST (the "before" eval)
+    inline: bool = False  # the trainer waits for it at once: all of it counts as publish_wait_s
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Publisher:
 
     async def _publish(self, job: Job) -> None:
         record = job.record if job.record is not None else {}
+        started = time.monotonic()
         if job.tensors is None:
             if self.last is None:
                 raise RuntimeError(f"version {job.version}: nothing published yet to announce again")
@@ -172,6 +174,10 @@ class Publisher:
         record["publish_s"] = time.monotonic() - t0
         self.prune(path)
         await self._point("published", job.step)
+        if job.inline:
+            # Measured here, not by the caller: the metrics line is written now, before the
+            # caller's wait returns.
+            record["publish_wait_s"] = record.get("publish_wait_s", 0.0) + time.monotonic() - started
         self.done(job)
 
     def _write(self, job: Job) -> Published:
@@ -223,7 +229,7 @@ class BackgroundProbe:
         if self.model is None:
             from transformers import AutoModelForCausalLM
 
-            self.model = AutoModelForCausalLM.from_config(self.config, torch_dtype=self.dtype).to(self.device).eval()
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype).to(self.device).eval()
             self.model.requires_grad_(False)
         own = self.model.state_dict()
         with torch.no_grad():

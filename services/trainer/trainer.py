@@ -386,7 +386,11 @@ class Trainer:
         record["snapshot_s"] = time.monotonic() - t0
         record["snapshot_at"] = time.time()  # the end of the step's critical path (the dashboard's timeline)
         await self.drill.point("snapshot", step)
-        job = Job(step + 1, step, tensors, record)
+        # max_staleness 0: batch step + 1 needs this very version, so there is nothing to overlap
+        # with; waiting for it keeps the ranks from asking for it too early. publish_in_background
+        # False: the publication inline, as before (bench overlap's "before").
+        inline = not contract.can_prefetch(self.config.max_staleness) or not s.publish_in_background
+        job = Job(step + 1, step, tensors, record, inline=inline)
         if not reuse:
             if self.lora is not None:
                 job.probe = await self._probe(batch, record)  # needs the live base: on this thread
@@ -401,11 +405,8 @@ class Trainer:
                 job.before_post = state.before_eval
             self.publisher.start(job)
         state.published_any = True
-        if not contract.can_prefetch(self.config.max_staleness) or not s.publish_in_background:
-            # max_staleness 0: batch step + 1 needs this very version, so there is nothing to
-            # overlap with; waiting here keeps the ranks from asking for it too early.
-            # publish_in_background False: the publication inline, as before (bench overlap).
-            record["publish_wait_s"] += await self.publisher.wait()
+        if inline:
+            await self.publisher.wait()  # its seconds are in the record's publish_wait_s already
 
     def _publisher(self, loaded: Any) -> Publisher:
         s = self.settings

@@ -64,6 +64,21 @@ async def test_the_next_step_trains_while_a_version_publishes(stack, tiny_model_
 
 
 @pytest.mark.timeout(180)
+async def test_at_max_staleness_0_the_trainer_waits_for_each_version_and_says_so(make_stack, tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    sampler, _ = make_stack(max_staleness=0)  # batch N+1 needs version N+1: nothing to overlap
+    run_dir = tmp_path / "trainer"
+    async with SlowPublishClient(sampler.url, api_token=TOKEN, delay=1.0) as client:
+        await train(_settings(tiny_model_dir, sampler, run_dir, max_steps=3, eval_at_start=False, eval_at_end=False),
+                    client)
+    for version in (1, 2):  # batch N was asked for only once version N was out
+        assert client.posted_at[version] < client.batch_at[version], (version, client.posted_at, client.batch_at)
+    steps = _records(run_dir, "step")
+    # The whole publication (the 1 s POST included) is on the critical path, and the record says so.
+    assert all(r["publish_wait_s"] >= r["publish_s"] >= 1.0 for r in steps), [r["publish_wait_s"] for r in steps]
+
+
+@pytest.mark.timeout(180)
 async def test_deltas_between_full_versions_rebuild_the_trainers_weights(stack, tiny_model_dir: Path,
                                                                        tmp_path: Path) -> None:
     sampler, _ = stack
