@@ -12,7 +12,7 @@ run's token (bench/_common.RUN_TOKEN). The model: a ~0.5 B Llama built here with
 
 The two paths:
 
-* **before** (today's path until 0.1.0): `full_every 1, publish_in_background False`: every
+* **before** (the path before issue 40 moved publication off the critical path): `full_every 1, publish_in_background False`: every
   version whole, and the trainer waits for its write, probe and POST (the servers' sync) before
   the next step;
 * **after** (the defaults): the snapshot on the critical path, the rest in the background, full

@@ -155,7 +155,7 @@ class TrainerSettings(TrackingSettings):
     publish_in_background: bool = Field(
         default=True,
         description="write, probe and announce each version while the next step trains; False: wait for each "
-        "publication before the next step, as before 0.1.0 (for comparison and debugging: bench overlap)",
+        "publication before the next step, as the trainer did before issue 40 (for comparison and debugging: bench overlap)",
     )
     checkpoint_every: int = Field(
         default=10, ge=1,
