@@ -14,7 +14,7 @@ import torch
 from services.trainer import checkpoint as ckpt
 from services.trainer.trainer import train
 from shared import weights_delta
-from tests.trainer.test_integration import TOKEN, RecordingClient, _records, _settings, make_stack, stack  # noqa: F401
+from tests.trainer.test_integration import TOKEN, RecordingClient, _records, _settings
 
 
 class SlowPublishClient(RecordingClient):

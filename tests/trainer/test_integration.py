@@ -27,48 +27,10 @@ from services.trainer.trainer import train
 from shared.client import SamplerClient
 from shared.settings import SettingsError, build
 from shared.token_guard import bearer_headers
-from tests.support.servers import kill_embedded_redis, REPO, UvicornThread, free_port, start_sampler_process
+from tests.support.servers import REPO, free_port
+from tests.trainer.conftest import STACK_ENV, STACK_TOKEN
 
-ENV = "tests.trainer.letter_env:LetterEnv"
-TOKEN = "trainer-test-token"
-
-
-@pytest.fixture
-def make_stack(tmp_path: Path, tiny_model_dir: Path):
-    """make_stack(**sampler_settings) -> (sampler process, inference thread): 2 prompts x 4
-    generations, max_staleness 1, 8 tokens unless overridden."""
-    from services.inference.config import InferenceSettings
-    from services.inference.server import create_app
-
-    started = []
-
-    def make(**overrides):
-        inference = UvicornThread(create_app(InferenceSettings(model=str(tiny_model_dir)))).start()
-        settings = {"inference_urls": [inference.url], "env": ENV, "prompts_per_step": 2, "num_generations": 4,
-                    "max_tokens": 8, "max_staleness": 1, "temperature": 1.0, "eval_examples": 8, "api_token": TOKEN}
-        settings.update(overrides)
-        sampler_dir = tmp_path / ("sampler" if not started else f"sampler-{len(started)}")
-        started.append((None, inference, sampler_dir))
-        sampler = start_sampler_process(sampler_dir, **settings)
-        started[-1] = (sampler, inference, sampler_dir)
-        return sampler, inference
-
-    try:
-        yield make
-    finally:
-        # SIGKILL: every test has its own run directory, and a graceful sampler shutdown
-        # costs seconds per test. The embedded Redis runs in its own session: kill it too.
-        for sampler, inference, sampler_dir in started:
-            if sampler is not None:
-                sampler.kill()
-            kill_embedded_redis(sampler_dir)
-            inference.stop()
-
-
-@pytest.fixture
-def stack(make_stack):
-    """(sampler process, inference thread) with make_stack's defaults."""
-    return make_stack()
+ENV, TOKEN = STACK_ENV, STACK_TOKEN  # the stack fixtures' (conftest.py)
 
 
 def _settings(tiny_model_dir: Path, sampler, run_dir: Path, **overrides) -> TrainerSettings:
