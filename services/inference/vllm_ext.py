@@ -282,6 +282,18 @@ class TandemWorkerExtension:
         if not path.is_dir():
             raise ValueError(f"weights_path {str(path)!r} is not a directory")
         held = getattr(self, "tandem_held", None)
+        digest = getattr(self, "tandem_digest", None)
+        if held is not None and digest and (path / wd.MANIFEST_FILE).is_file():
+            try:
+                same = wd.read_manifest(path).get("digest") == digest
+            except wd.DeltaError:
+                same = False  # an unreadable manifest: the load below says what is wrong
+            if same:
+                # The very weights this server holds (a version announced again after a step that
+                # left them as they were, or a repeated sync): nothing to read or load.
+                return {"weights_path": str(path), "seconds": round(time.perf_counter() - started, 4),
+                        "applied": "held", "changed": 0, "loaded": 0, "digest": digest,
+                        "repacked": [], "reprocessed": 0}
         reference = ({n: tuple(t.shape) for n, t in held.items()} if held is not None
                      else _shapes_or_none(model_config.model, path))
         names_to_load: list[str] | None = None  # None: all of them

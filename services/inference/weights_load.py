@@ -39,7 +39,8 @@ log = logging.getLogger("tandem.inference.weights")
 @dataclass
 class Reload:
     path: str
-    applied: str  # "delta" (in place), "full" (a directory's weights), "chain" (a delta's chain replayed)
+    applied: str  # "delta" (in place), "full" (a directory's weights), "chain" (a delta's chain replayed),
+    # "held" (the version's digest is the one held already: nothing done)
     tensors: int  # tensors written
     digest: str | None  # the version now held (None: not a published version with checksums)
     seconds: float = 0.0
@@ -67,6 +68,10 @@ def load(model: Any, adapters: Any, path: Path, held: str | None) -> Reload:
             manifest = wd.read_manifest(path)
         except wd.DeltaError as exc:
             raise _error(str(exc)) from exc
+    if manifest is not None and held is not None and manifest.get("digest") == held:
+        # The very weights this server holds (a version announced again after a step that left
+        # them as they were, or a repeated sync): nothing to read or copy.
+        return Reload(str(path), "held", 0, held, time.perf_counter() - started)
     # Under their checkpoint names even while LoRA layers wrap them (adapters.py).
     own = adapters.base_parameters() if adapters else dict(model.named_parameters())
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()

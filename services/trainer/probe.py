@@ -68,3 +68,15 @@ def compute_probe(model: Any, token_ids: list[int], dtype: str | None = None) ->
     values = [min(float(x), 0.0) for x in logprobs.cpu()]
     return {"token_ids": [int(t) for t in token_ids], "logprobs": [None, *values],
             "dtype": dtype or saved_dtype(model)}
+
+
+def compute_probe_as_published(model: Any, token_ids: list[int], dtype: torch.dtype) -> dict[str, Any]:
+    """`compute_probe` with the matmuls in the published `dtype` (autocast, which is per thread:
+    call it on the thread that runs the forward), as the inference server computes with the
+    weights it loads; float32 needs no autocast."""
+    import contextlib
+
+    device = next(model.parameters()).device
+    compute = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    with compute:
+        return compute_probe(model, token_ids, DTYPE_NAMES.get(dtype))

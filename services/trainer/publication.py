@@ -191,6 +191,21 @@ class Publisher:
             await self.drill.point(point, step)
 
 
+def weights_writer(root: Path, config: Any, dtype: Any) -> Writer:
+    """How full weights reach the disk (services/trainer/checkpoint.py): whole, or as a delta on
+    the version before, refused past DELTA_MAX_SHARE of the whole. Shared with the TRL bridge."""
+    from services.trainer import checkpoint as ckpt
+
+    def full(version: int, step: int, tensors: dict[str, Any]) -> Path:
+        return ckpt.publish_weights(root, version, tensors, config, dtype=dtype, step=step)
+
+    def delta(version: int, step: int, tensors: dict[str, Any], base: Published) -> tuple[Path, dict[str, Any]]:
+        return ckpt.publish_delta(root, version, tensors, base.tensors, base.manifest, config, dtype=dtype,
+                                  step=step, max_share=DELTA_MAX_SHARE)
+
+    return Writer(full=full, delta=delta)
+
+
 def write_next(writer: Writer, last: Published | None, version: int, step: int, tensors: dict[str, Any],
                full_every: int) -> Published:
     """Version `version` on disk (on the publisher's thread): a delta on `last` when the chain
@@ -224,7 +239,7 @@ class BackgroundProbe:
     def compute(self, tensors: dict[str, Any], ids: list[int]) -> dict[str, Any]:
         import torch
 
-        from services.trainer.probe import DTYPE_NAMES, compute_probe
+        from services.trainer.probe import compute_probe_as_published
 
         if self.model is None:
             from transformers import AutoModelForCausalLM
@@ -235,11 +250,7 @@ class BackgroundProbe:
         with torch.no_grad():
             for name, value in tensors.items():
                 own[name].copy_(value, non_blocking=True)  # a tied LM head follows its embedding
-        device = torch.device(self.device)
-        compute = (contextlib.nullcontext() if self.publish_dtype == torch.float32
-                   else torch.autocast(device.type, dtype=self.publish_dtype))
-        with compute:
-            return compute_probe(self.model, ids, DTYPE_NAMES.get(self.publish_dtype))
+        return compute_probe_as_published(self.model, ids, self.publish_dtype)
 
 
 def _dir_bytes(path: Path) -> int:

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import logging
 import os
@@ -82,8 +81,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.metrics import METRICS_FILE, MetricsLogger, ProgressBar, describe, eval_reward
 from services.trainer.mismatch import BehaviourMismatchError, MismatchGuard
 from services.trainer.model_setup import set_up_model
-from services.trainer.probe import DTYPE_NAMES
-from services.trainer.publication import DELTA_MAX_SHARE, BackgroundProbe, Job, Published, Publisher, Writer
+from services.trainer.publication import BackgroundProbe, Job, Publisher, Writer, weights_writer
 from services.trainer.step_record import (
     all_reduce_rank_sums,
     learning_rate,
@@ -413,8 +411,12 @@ class Trainer:
         probe = None
         if self.lora is None and s.probe_tokens and self.world.is_main:
             probe = BackgroundProbe(self.model.config, self.world.device, loaded.dtype, self.publish_dtype)
-        writer = Writer(full=self._write_published,
-                        delta=self._write_delta if self.lora is None else None)
+        if self.lora is None:
+            writer = weights_writer(self.publish_root, self.model.config, self.publish_dtype)
+        else:  # an adapter is published whole, in PEFT's format
+            lora = self.lora
+            writer = Writer(full=lambda version, step, tensors: lora.publish(
+                self.publish_root, version, tensors, dtype=self.publish_dtype, step=step))
 
         def prune(path: Path) -> None:
             # Never the version the sampler serves (a retrained step's version is not served).
@@ -422,18 +424,6 @@ class Trainer:
 
         return Publisher(self.publish_root, writer, post=self._publish, done=self._published, prune=prune,
                          full_every=s.full_every, probe=probe, drill=self.drill, metrics=published_metrics)
-
-    def _write_published(self, version: int, step: int, tensors: dict[str, Any]) -> Path:
-        if self.lora is not None:
-            return self.lora.publish(self.publish_root, version, tensors, dtype=self.publish_dtype, step=step)
-        return ckpt.publish_weights(self.publish_root, version, tensors, self.model.config,
-                                    dtype=self.publish_dtype, step=step)
-
-    def _write_delta(self, version: int, step: int, tensors: dict[str, Any], base: Published
-                     ) -> tuple[Path, dict[str, Any]]:
-        return ckpt.publish_delta(self.publish_root, version, tensors, base.tensors, base.manifest,
-                                  self.model.config, dtype=self.publish_dtype, step=step,
-                                  max_share=DELTA_MAX_SHARE)
 
     def _probe_ids(self, batch: Batch) -> list[int] | None:
         from services.trainer.probe import probe_token_ids
@@ -443,7 +433,7 @@ class Trainer:
     async def _probe(self, batch: Batch, record: dict[str, Any]) -> dict[str, Any] | None:
         """The probe of the live weights (a LoRA run's, on the training thread): rank 0's (None
         elsewhere). Under fsdp the forward is a collective, so every rank runs it on rank 0's ids."""
-        from services.trainer.probe import compute_probe
+        from services.trainer.probe import compute_probe_as_published
 
         ids = self._probe_ids(batch) if self.world.is_main else None
         collective = self.sharding.kind == "fsdp"
@@ -452,15 +442,8 @@ class Trainer:
         if ids is None or not (collective or self.world.is_main):
             return None
         def probe_in_publish_dtype() -> dict[str, Any]:
-            # In the training thread (autocast is per thread): matmuls in the published dtype,
-            # as the inference server computes with the weights it loads.
-            import torch
-
-            dtype, device = self.publish_dtype, self.world.device
-            compute = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
             try:
-                with compute:
-                    return compute_probe(self.model, ids, DTYPE_NAMES.get(dtype))
+                return compute_probe_as_published(self.model, ids, self.publish_dtype)
             finally:
                 self.sharding.reshard(self.model)
 

@@ -26,7 +26,6 @@ load it.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -37,8 +36,8 @@ import torch
 
 from services.trainer import checkpoint as ckpt
 from services.trainer import snapshot as snapshots
-from services.trainer.publication import DELTA_MAX_SHARE, Published, Writer, write_next
-from services.trainer.probe import DTYPE_NAMES, compute_probe, probe_token_ids
+from services.trainer.publication import Published, weights_writer, write_next
+from services.trainer.probe import compute_probe_as_published, probe_token_ids
 from services.trl_bridge.sampler_link import SamplerLink
 from shared.wire import Sample
 
@@ -130,12 +129,9 @@ class Publisher:
             path = written["path"]
             info.update(write_s=written["write_s"], publish_kind="full")
         else:
-            writer = Writer(
-                full=lambda v, s, t: ckpt.publish_weights(self.root, v, t, config, dtype=dtype, step=s),
-                delta=lambda v, s, t, base: ckpt.publish_delta(self.root, v, t, base.tensors, base.manifest, config,
-                                                               dtype=dtype, step=s, max_share=DELTA_MAX_SHARE))
             t0 = time.monotonic()
-            self.last = write_next(writer, self.last, version, step, tensors, self.full_every)
+            self.last = write_next(weights_writer(self.root, config, dtype), self.last, version, step, tensors,
+                                   self.full_every)
             path, manifest = self.last.path, self.last.manifest
             info.update(write_s=time.monotonic() - t0, publish_kind=manifest.get("kind", "full"))
             if "total_elements" in manifest:
@@ -164,8 +160,4 @@ class Publisher:
         ids = probe_token_ids(probe_sample, self.probe_tokens) if probe_sample is not None else None
         if ids is None:
             return None
-        # Matmuls in the published dtype, as the inference server computes with what it loads.
-        device = next(model.parameters()).device
-        compute = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-        with compute:
-            return compute_probe(model, ids, DTYPE_NAMES.get(dtype))
+        return compute_probe_as_published(model, ids, dtype)

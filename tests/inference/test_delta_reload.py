@@ -96,6 +96,10 @@ def test_full_then_deltas_are_applied_in_place(guarded_server: ServerHandle, pub
         # After each delta the server computes with the trainer's snapshot, bit for bit.
         assert _served_digest(guarded_server) == _digest(snaps[version]) == guarded_server.engine.weights_digest
     assert _greedy(guarded_server) != []
+    # The version held, synced again (announced again after a step that left the weights as
+    # they were): nothing read, nothing copied.
+    assert _applied(guarded_server, root / "version-6") == "held"
+    assert _served_digest(guarded_server) == _digest(snaps[6])
     # vLLM's method name still answers as vLLM does.
     r = _reload(guarded_server, root / "version-6", method="reload_weights")
     assert r.status_code == 200 and r.json() == {"results": [None]}
@@ -183,3 +187,29 @@ def test_a_corrupted_full_version_is_400_and_changes_nothing(guarded_server: Ser
     r = _reload(guarded_server, root / "version-1")
     assert r.status_code == 400 and "do not match their checksums" in r.json()["error"]["message"], r.text
     assert _greedy(guarded_server) == before and guarded_server.engine.weights_digest is None
+
+
+def test_after_fifty_deltas_the_server_holds_the_trainers_snapshot_bit_for_bit(guarded_server: ServerHandle,
+                                                                               tiny_model: Path, tmp_path: Path) -> None:
+    """Issue 40's target: one full version, then 50 deltas each applied in place on the last
+    (never a chain replay), and what the server computes with hashes like the trainer's snapshot."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    base = None
+    for version in range(1, 52):
+        if version > 1:
+            # An RL step at bf16 resolution: a few values in every tensor move by a visible amount.
+            state = {n: t + (torch.rand(t.shape, generator=gen) < 0.02) * 0.05 * t for n, t in state.items()}
+        snap = snapshot(state, model.config, torch.bfloat16)
+        if base is None:
+            path = ckpt.publish_weights(tmp_path, version, snap, model.config, dtype=torch.bfloat16, step=0)
+            manifest = wd.read_manifest(path)
+        else:
+            path, manifest = ckpt.publish_delta(tmp_path, version, snap, base[0], base[1], model.config,
+                                                dtype=torch.bfloat16, step=version - 1)
+        base = ({n: t.clone() for n, t in snap.items()}, manifest)
+        applied = _applied(guarded_server, path)
+        assert applied == ("full" if version == 1 else "delta"), (version, applied)
+    assert manifest["kind"] == "delta" and manifest["full_version"] == 1
+    assert _served_digest(guarded_server) == _digest(base[0]) == guarded_server.engine.weights_digest

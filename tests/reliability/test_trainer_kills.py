@@ -202,6 +202,17 @@ def test_a_trainer_killed_at_each_moment_of_a_checkpoint_step_resumes(point: str
         assert result["resumed_at"] == 6, result
 
 
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_inside_its_background_publication_resumes(tmp_path: Path, tiny_model: Path,
+                                                                    cleanup: Cleanup) -> None:
+    """The make-test gate of the drill above: killed with version 6 written by the background
+    publication but not announced, while step 6 trains on (its checkpoint step-5 committed): the
+    rerun publishes version 6 whole again and finishes, no step lost or doubled, the chain of
+    deltas restarting from a full version."""
+    result = kill_and_resume(tmp_path, cleanup, tiny_model, point="written")
+    assert result["resumed_at"] == 6 and result["published_at_kill"] == 5, result
+
+
 def random_moment(i: int) -> dict[str, Any]:
     """The stress run's i-th moment: every fourth run a kill at a random time after step 0..4 (a
     step of the tiny model takes ~0.3 s); the others cycle through the pause points, in steps

@@ -143,6 +143,12 @@ def test_delta_versions_apply_in_place_and_serve_the_full_versions_numbers(
         # The same numbers as the equivalent full version, bit for bit, and as transformers.
         expected = reference_prompt_logprobs(versions.full3, IDS)
         assert max_abs_diff(served_3, expected) < TOLERANCE, (served_3, expected)
+        # The same weights whole are the ones held: nothing is read or loaded (a version announced
+        # again after a step that left the weights as they were)...
+        held = _reload(url, versions.full3, "3")
+        assert held["applied"] == "held" and held["loaded"] == 0 and held["digest"] == versions.m3["digest"], held
+        # ...and loaded whole onto other weights, they serve the deltas' numbers bit for bit.
+        assert _reload(url, vllm_server.model_dir, "0")["applied"] == "full"
         again = _reload(url, versions.full3, "3")
         assert again["applied"] == "full" and again["digest"] == versions.m3["digest"]
         assert probe_prompt_logprobs(url, IDS) == served_3
@@ -153,7 +159,8 @@ def test_delta_versions_apply_in_place_and_serve_the_full_versions_numbers(
             bad = _corrupt_copy(versions.v3, versions.v3.parent / f"version-{40 + len(how)}", how)
             manifest = json.loads((bad / wd.MANIFEST_FILE).read_text())
             # A sibling of version-3: made a delta on version 3 itself, so the held weights match its base.
-            manifest.update(version=40 + len(how), base_version=3, base_digest=versions.m3["digest"])
+            # Claiming other weights as its result: a delta whose result is what is held is not read.
+            manifest.update(version=40 + len(how), base_version=3, base_digest=versions.m3["digest"], digest="f" * 64)
             (bad / wd.MANIFEST_FILE).write_text(json.dumps(manifest))
             message = _refused(url, bad)
             assert "keeps serving its previous weights" in message and "publish a full version" in message, message
