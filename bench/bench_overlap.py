@@ -32,6 +32,7 @@ step's start to the end of `run`, less that checkpoint.
     .venv/bin/python -m bench overlap                           # cpu and vllm, lr 1e-6 and 1e-5, 20 steps
     .venv/bin/python -m bench overlap --servers cpu --steps 20
     .venv/bin/python -m bench overlap --smoke                   # tiny model, 3 steps, cpu: the code path only
+    .venv/bin/python -m bench overlap --servers vllm --lrs 1e-6 --name overlap-vllm   # a partial run beside
 
 Results: bench/results/overlap.md and overlap.json (`--smoke`: overlap-smoke.*).
 """
@@ -78,6 +79,8 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--prompts-per-step", type=int, default=None)
     parser.add_argument("--num-generations", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--name", default=None,
+                        help="results file stem (default overlap; --smoke: overlap-smoke): a partial run beside the full")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"smoke": args.smoke, "argv": list(argv)}
     if args.servers:
@@ -87,7 +90,7 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
             parser.error(f"--servers: unknown {sorted(unknown)}; known: cpu, vllm")
     if args.lrs:
         out["lrs"] = tuple(float(x) for x in args.lrs.split(",") if x.strip())
-    for key in ("steps", "model", "root", "prompts_per_step", "num_generations", "max_tokens"):
+    for key in ("steps", "model", "root", "prompts_per_step", "num_generations", "max_tokens", "name"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     return out
@@ -428,7 +431,7 @@ def _markdown(result: dict[str, Any]) -> str:
 def run(results_dir: Path, *, servers: tuple[str, ...] | None = None, lrs: tuple[float, ...] | None = None,
         steps: int | None = None, model: str | None = None, smoke: bool = False, root: str | None = None,
         prompts_per_step: int | None = None, num_generations: int | None = None, max_tokens: int | None = None,
-        argv: list[str] | None = None) -> dict[str, Any]:
+        name: str | None = None, argv: list[str] | None = None) -> dict[str, Any]:
     from tests.support.vllm import vllm_unavailable_reason
 
     servers = servers or (("cpu",) if smoke else ("cpu", "vllm"))
@@ -437,7 +440,7 @@ def run(results_dir: Path, *, servers: tuple[str, ...] | None = None, lrs: tuple
     model = model or ("tiny" if smoke else "0.5b")
     prompts_per_step, num_generations = prompts_per_step or 2, num_generations or 4
     max_tokens = max_tokens or 8
-    name = "overlap-smoke" if smoke else "overlap"
+    name = name or ("overlap-smoke" if smoke else "overlap")
     skipped = []
     if "vllm" in servers:
         missing = vllm_unavailable_reason()
