@@ -107,26 +107,11 @@ LAYERS_05B = 28
 
 def _build(name: str, out: Path) -> Path:
     """`tiny` (the preset) or `0.5b` (above), float32, random weights, the tiny tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bench.bench_publication import MODELS
     from bench.bench_publication import _build as build_preset
 
-    build_preset("tiny", out)
     if name == "tiny":
-        return out
-    config = AutoModelForCausalLM.from_pretrained(str(out)).config
-    overrides = {**(MODELS["0.5b"] or {}), "vocab_size": len(AutoTokenizer.from_pretrained(str(out))),
-                 "num_hidden_layers": LAYERS_05B}
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for stale in out.glob("*.safetensors"):
-        stale.unlink()
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+        return build_preset("tiny", out)
+    return build_preset("0.5b", out, {"num_hidden_layers": LAYERS_05B}, tokenizer_vocab=True)
 
 
 # -- the stack ----------------------------------------------------------------------------

@@ -48,10 +48,11 @@ MODELS: dict[str, dict[str, Any] | None] = {
 }
 
 
-def _build(name: str, out: Path) -> Path:
-    """The model `name` written as a Hugging Face directory (float32), with the tiny tokenizer."""
+def _build(name: str, out: Path, extra: dict[str, Any] | None = None, *, tokenizer_vocab: bool = False) -> Path:
+    """The model `name` written as a Hugging Face directory (float32), with the tiny tokenizer;
+    `extra` config values on top of `name`'s, `tokenizer_vocab`: the vocabulary the tokenizer's."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.inference.init_model import init_model
 
@@ -59,6 +60,9 @@ def _build(name: str, out: Path) -> Path:
     overrides = MODELS[name]
     if overrides is None:
         return out
+    overrides = {**overrides, **(extra or {})}
+    if tokenizer_vocab:
+        overrides["vocab_size"] = len(AutoTokenizer.from_pretrained(str(out)))
     config = AutoModelForCausalLM.from_pretrained(str(out)).config
     for key, value in overrides.items():
         setattr(config, key, value)

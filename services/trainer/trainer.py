@@ -272,6 +272,7 @@ class Trainer:
         self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
                               checkpoint_step=start_step - 1 if resumed_from is not None else None)
         self.publisher = self._publisher(loaded)
+        self.publisher.warm()
         if resumed_from is not None:
             # The previous run may have died between saving and publishing: publish the
             # resumed version again, whole (every rank: the snapshot is a collective under fsdp).

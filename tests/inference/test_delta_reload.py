@@ -43,14 +43,19 @@ def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         if version > 1:  # an RL step: small changes, some of which survive the bf16 rounding
             state = {n: t + torch.randn(t.shape, generator=gen) * 2e-3 * t.abs() for n, t in state.items()}
         snap = snapshot(state, model.config, torch.bfloat16)
-        if base is None:
-            path = ckpt.publish_weights(root, version, snap, model.config, dtype=torch.bfloat16, step=0)
-            manifest = wd.read_manifest(path)
-        else:
-            path, manifest = ckpt.publish_delta(root, version, snap, base[0], base[1], model.config,
-                                                dtype=torch.bfloat16, step=version - 1)
+        _, manifest = _publish(root, version, snap, base, model.config)
         snaps[version], base = snap, (snap, manifest)
     return root, snaps
+
+
+def _publish(root: Path, version: int, snap: dict[str, torch.Tensor], base: tuple | None, config
+             ) -> tuple[Path, dict]:
+    """Version `version` as the trainer writes it: whole without a base, else a delta on `base`
+    ((its snapshot, its manifest))."""
+    if base is None:
+        path = ckpt.publish_weights(root, version, snap, config, dtype=torch.bfloat16, step=0)
+        return path, wd.read_manifest(path)
+    return ckpt.publish_delta(root, version, snap, base[0], base[1], config, dtype=torch.bfloat16, step=version - 1)
 
 
 def _reload(server: ServerHandle, path: Path, method: str = RELOAD_METHOD) -> httpx.Response:
@@ -202,13 +207,8 @@ def test_after_fifty_deltas_the_server_holds_the_trainers_snapshot_bit_for_bit(g
             # An RL step at bf16 resolution: a few values in every tensor move by a visible amount.
             state = {n: t + (torch.rand(t.shape, generator=gen) < 0.02) * 0.05 * t for n, t in state.items()}
         snap = snapshot(state, model.config, torch.bfloat16)
-        if base is None:
-            path = ckpt.publish_weights(tmp_path, version, snap, model.config, dtype=torch.bfloat16, step=0)
-            manifest = wd.read_manifest(path)
-        else:
-            path, manifest = ckpt.publish_delta(tmp_path, version, snap, base[0], base[1], model.config,
-                                                dtype=torch.bfloat16, step=version - 1)
-        base = ({n: t.clone() for n, t in snap.items()}, manifest)
+        path, manifest = _publish(tmp_path, version, snap, base, model.config)
+        base = (snap, manifest)
         applied = _applied(guarded_server, path)
         assert applied == ("full" if version == 1 else "delta"), (version, applied)
     assert manifest["kind"] == "delta" and manifest["full_version"] == 1
