@@ -77,6 +77,13 @@ async def test_http_stays_responsive_during_generation(fresh_server: ServerHandl
         flights = [asyncio.create_task(c.post("/v1/completions", json={**LONG, "max_tokens": 300}))
                    for _ in range(8)]
         await _until_generating(fresh_server.engine)
+        # All 8 admitted before the abort: a request that reaches the engine after the pause
+        # waits for the resume (by design), which this test sends only after they all returned.
+        for _ in range(2000):
+            if fresh_server.engine.num_running == 8:
+                break
+            await asyncio.sleep(0.005)
+        assert fresh_server.engine.num_running == 8, "8 requests were not all admitted within 10 s"
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         assert (await c.get("/health")).status_code == 200
