@@ -107,22 +107,17 @@ def _targets(model: Any, own: dict[str, Any], names: Any) -> dict[str, Any]:
 
 
 def _read_full(path: Path, manifest: dict[str, Any] | None) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise _error(f"no *.safetensors files in {str(path)!r}")
     incoming: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            incoming.update(load_file(str(f)))
-        except Exception as exc:  # safetensors' own error: a truncated or corrupt file
-            raise _error(f"cannot read {f} ({exc}): it is corrupt or incomplete; publish the version again") from exc
-    if manifest is not None:
-        try:
+    try:
+        for f in files:
+            incoming.update(wd.load_file(f))  # a truncated or corrupt file: DeltaError saying so
+        if manifest is not None:
             wd.verify(incoming, manifest, str(path))
-        except wd.DeltaError as exc:
-            raise _error(str(exc)) from exc
+    except wd.DeltaError as exc:
+        raise _error(str(exc)) from exc
     return incoming
 
 

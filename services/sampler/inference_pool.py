@@ -85,6 +85,7 @@ class Server:
     syncing: bool = False
     resyncs: int = 0
     reload_method: str | None = None  # collective_rpc method that reloads its weights (weight_sync.py)
+    plain_vllm: bool = False  # with reload_method: vLLM without Tandem's worker extension (no delta versions)
     # The LoRA adapter its version is served through (shared/adapters.py), None for full weights:
     # every request sent to it then names the adapter as its `model`.
     adapter: str | None = None

@@ -90,7 +90,6 @@ class WeightSync:
         self._syncing: set[asyncio.Task | None] = set()  # tasks now inside sync_server
         self._resuming: set[asyncio.Task] = set()  # the resume at the end of each sync
         self._background: set[asyncio.Task] = set()  # retries for servers that would not resume
-        self._plain_vllm: set[str] = set()  # URLs of vLLM servers without Tandem's extension (reload_method)
         # Called with every SyncResult (metrics); must not raise.
         self.on_synced: list[Callable[[SyncResult], None]] = []
 
@@ -182,11 +181,7 @@ class WeightSync:
             except (TransportError, ValueError, AttributeError):
                 pass  # asked again at the next sync: the reload itself will say what is wrong
             else:
-                server.reload_method = method
-                if plain_vllm:
-                    self._plain_vllm.add(server.url)
-                else:
-                    self._plain_vllm.discard(server.url)
+                server.reload_method, server.plain_vllm = method, plain_vllm
             return method
         return server.reload_method
 
@@ -201,7 +196,7 @@ class WeightSync:
         if not delta:
             return
         await self.reload_method(server)
-        if server.url in self._plain_vllm and server.reload_method is not None:
+        if server.plain_vllm and server.reload_method is not None:
             raise SyncStepError("reload_weights", 409, (
                 f"server {server.url} cannot apply delta versions ({checkpoint_path} is one): start it with "
                 f"--worker-extension-cls {EXTENSION_CLS} (tandem's launcher does) or publish full versions "
