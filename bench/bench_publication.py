@@ -74,10 +74,6 @@ def _build(name: str, out: Path, extra: dict[str, Any] | None = None, *, tokeniz
     return out
 
 
-def _bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def _median(values: list[float]) -> float:
     return round(statistics.median(values), 4)
 
@@ -141,7 +137,7 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
                 load_s.append(_sync(server_url, reload, i + 1))
             http.post(server_url + "/v1/completions", json=probe_request(ids), timeout=600).raise_for_status()
             rows.append({"model": name, "params": params, "kind": "full", "rank": None, "trained_params": params,
-                         "dtype": dtype_name, "bytes": _bytes(path), "write_s": _median(write_s),
+                         "dtype": dtype_name, "bytes": ckpt.dir_bytes(path), "write_s": _median(write_s),
                          "load_s": _median(load_s), "step_s": _median([w + s for w, s in zip(write_s, load_s)])})
             shutil.rmtree(root / f"{name}-full")
             # -- the adapter
@@ -163,7 +159,7 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
             http.post(server_url + "/v1/completions", json=probe, timeout=600).raise_for_status()
             rows.append({"model": name, "params": params, "kind": "lora", "rank": rank,
                          "trained_params": sum(t.numel() for t in trained.values()), "dtype": dtype_name,
-                         "bytes": _bytes(path), "write_s": _median(write_s), "load_s": _median(load_s),
+                         "bytes": ckpt.dir_bytes(path), "write_s": _median(write_s), "load_s": _median(load_s),
                          "step_s": _median([w + s for w, s in zip(write_s, load_s)])})
     finally:
         server.terminate()

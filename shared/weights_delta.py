@@ -273,6 +273,27 @@ def chain(version_dir: str | os.PathLike) -> list[Path]:
     return links
 
 
+def bases_on_disk(version_dir: str | os.PathLike) -> list[Path]:
+    """`version_dir` and the versions it is built from that are on disk, newest first, as far
+    as the chain goes (a broken one yields what is left of it, never an error): what pruning
+    must keep with a kept version."""
+    path = Path(version_dir)
+    out, seen = [path], {path.resolve()}
+    while True:
+        try:
+            manifest = read_manifest(path)
+        except DeltaError:
+            return out
+        if manifest.get("kind") != "delta" or manifest.get("base_version") is None:
+            return out
+        base = path.parent / f"version-{manifest['base_version']}"
+        if not base.is_dir() or base.resolve() in seen:
+            return out
+        out.append(base)
+        seen.add(base.resolve())
+        path = base
+
+
 def load_file(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file; DeltaError when it is missing, truncated or corrupt."""
     from safetensors.torch import load_file as _load

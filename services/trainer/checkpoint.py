@@ -9,9 +9,9 @@ Two kinds of directory, because they serve two readers:
   by each inference server's reload, then pruned to the newest `keep_published`. A RAM disk
   (`/dev/shm`) is a good home: a lost one is re-published from the model. The manifest also
   records `"kind": "full"`, per-tensor `"checksums"` and a `"digest"`; a version may instead be
-  a delta on the one before (`publish_delta`: `delta.safetensors`, format and invariants in
-  shared/weights_delta.py), and pruning then keeps every version a kept one is built from
-  (services/trainer/versions.py).
+  a delta on the one before (services/trainer/versions.py, `publish_delta`: `delta.safetensors`,
+  format and invariants in shared/weights_delta.py), and pruning then keeps every version a kept
+  one is built from.
 * **Full checkpoints** `run_dir/checkpoints/step-N` (`save_checkpoint`, or the collective
   `begin_checkpoint` / `commit_checkpoint` pair the trainer uses): the float32 master weights
   after optimizer step N, i.e. version N+1 (docs/staleness.md, Steps and versions), as an
@@ -46,12 +46,12 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shared.weights_delta import checksums, state_digest
+from shared.weights_delta import bases_on_disk, checksums, state_digest
 
 log = logging.getLogger("tandem.trainer.checkpoint")
 
@@ -84,6 +84,11 @@ class DiskFullError(OSError):
 
 def tensor_bytes(state_dict: dict[str, Any] | None) -> int:
     return sum(t.numel() * t.element_size() for t in (state_dict or {}).values())
+
+
+def dir_bytes(path: Path | str) -> int:
+    """The bytes of the files under a written directory (a version, a checkpoint)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def checkpoint_bytes(state_dict: dict[str, Any] | None, *, optimizer: bool) -> int:
@@ -177,13 +182,17 @@ def _newest_first(found: list[tuple[int, Path]], marker: str) -> list[tuple[int,
 
 
 def _prune(found: list[tuple[int, Path]], keep: int, what: str, marker: str,
-           protect: tuple[Path | str | None, ...] = ()) -> list[Path]:
+           protect: tuple[Path | str | None, ...] = (),
+           needs: Callable[[Path], list[Path]] = lambda path: [path]) -> list[Path]:
     """Delete all but the `keep` most recently written directories of `found`, and never one
-    named in `protect`."""
+    named in `protect`, nor one that a kept or protected directory `needs` (itself and, for a
+    delta version, the versions it is built from)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1: the newest {what}")
-    spared = {Path(p).resolve() for p in protect if p}
-    doomed = [path for _, path in _newest_first(found, marker)[keep:] if path.resolve() not in spared]
+    newest = _newest_first(found, marker)
+    kept = [path for _, path in newest[:keep]] + [Path(p) for p in protect if p]
+    spared = {link.resolve() for path in kept for link in needs(path)}
+    doomed = [path for _, path in newest[keep:] if path.resolve() not in spared]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         log.debug("deleted %s", path)
@@ -425,16 +434,6 @@ def write_config(tmp: Path, config: Any, dtype: Any) -> None:
     (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
 
 
-def publish_delta(publish_root: Path | str, version: int, tensors: dict[str, Any], base_tensors: dict[str, Any],
-                  base_manifest: dict[str, Any], config: Any, *, dtype: Any, step: int,
-                  max_share: float = 1.0) -> tuple[Path, dict[str, Any]]:
-    """Version `version` as a delta on the version `base_manifest` describes (services/trainer/versions.py)."""
-    from services.trainer.versions import publish_delta as publish
-
-    return publish(publish_root, version, tensors, base_tensors, base_manifest, config, dtype=dtype, step=step,
-                   max_share=max_share)
-
-
 def cast_tensors(state_dict: dict[str, Any], dtype: Any) -> dict[str, Any]:
     """Detached, contiguous copies of the floating-point tensors in `dtype` (the others as they are)."""
     return {name: t.detach().to(dtype).contiguous() if t.is_floating_point() else t.detach().contiguous()
@@ -446,7 +445,7 @@ def write_version(publish_root: Path | str, version: int, tensors: dict[str, Any
     """`publish_root/version-{version}` atomically: `write(tmp)` writes the files (`tensors`, already in
     `dtype`) into the staging directory and returns the weights file, then `published.json` (with
     `marker`'s extra keys) marks it complete. Refuses (ValueError) tensors holding NaN or infinity:
-    those must never reach inference. Full weights (`publish_weights`), deltas (`publish_delta`) and
+    those must never reach inference. Full weights (`publish_weights`), deltas (versions.py) and
     LoRA adapters (services/trainer/lora.py) are all written through here. `needed`: the bytes the
     files take, when not those of `tensors` (a delta)."""
     # Checked after the cast: a float16 cast can overflow to infinity on its own.
@@ -473,6 +472,5 @@ def prune_published(publish_root: Path | str, keep: int, protect: tuple[Path | s
     """Delete all but the `keep` versions written last, sparing those in `protect` (the one the
     sampler serves: a server that restarts loads it) and every version a spared delta is built
     from (its chain down to a full version); returns the deleted paths."""
-    from services.trainer.versions import prune_chains
-
-    return prune_chains(publish_root, keep, protect)
+    return _prune(list_published(publish_root), keep, "published version is what inference serves",
+                  PUBLISHED_FILE, protect, needs=bases_on_disk)

@@ -74,6 +74,16 @@ class Published:
     probe: dict[str, Any] | None
     chain_length: int = 0  # deltas since the chain's full version
 
+    def facts(self) -> dict[str, Any]:
+        """What the step's metrics say of it: published_bytes, publish_kind and, for a delta,
+        delta_fraction (the share of values that changed)."""
+        from services.trainer.checkpoint import dir_bytes
+
+        out = {"published_bytes": dir_bytes(self.path), "publish_kind": self.manifest.get("kind", "full")}
+        if "total_elements" in self.manifest:
+            out["delta_fraction"] = self.manifest["changed_elements"] / max(self.manifest["total_elements"], 1)
+        return out
+
 
 @dataclass
 class Writer:
@@ -86,32 +96,59 @@ class Writer:
 
 
 @dataclass
-class Publisher:
-    root: Path
-    writer: Writer
-    post: Callable[..., Awaitable[None]]  # (version, path, probe=, metrics=) -> awaited POST
-    done: Callable[[Job], None]  # the step's record is complete (rank 0's metrics line, evals)
-    prune: Callable[[Path], None]  # after each POST: old versions pruned, sparing this path
+class Chain:
+    """The versions a publisher writes (the native trainer's and the TRL bridge's): the newest
+    (`last`, the next delta's base), the two snapshot buffer sets, and when to write whole."""
+
     full_every: int = 10
-    probe: BackgroundProbe | None = None
-    drill: Any = None
-    metrics: Callable[[dict[str, Any]], dict[str, float]] = dict  # the record -> the POST's metrics
     last: Published | None = None
     _buffers: list[dict[str, Any]] = field(default_factory=lambda: [{}, {}])
-    _task: asyncio.Task | None = None
-    _pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-publish"))
-
-    # -- the critical path ----------------------------------------------------------------
 
     def free_buffers(self) -> dict[str, Any]:
         """The buffer set the next snapshot may fill: not the one the newest version is in."""
         held = self.last.tensors if self.last is not None else None
         return self._buffers[1] if held is self._buffers[0] else self._buffers[0]
 
+    def write(self, writer: Writer, version: int, step: int, tensors: dict[str, Any]) -> Published:
+        """Version `version` on disk (on the publisher's thread), now `last`: a delta on `last`
+        when the chain allows it (`last` holds a snapshot, the chain is shorter than
+        `full_every`, and the delta can be made and is small enough), else a full version."""
+        from shared.weights_delta import DeltaError, read_manifest
+
+        last = self.last
+        if (writer.delta is not None and last is not None and last.tensors is not None
+                and last.chain_length + 1 < self.full_every):
+            try:
+                path, manifest = writer.delta(version, step, tensors, last)
+            except DeltaError as exc:
+                log.info("version %d written whole: %s", version, exc)
+            else:
+                self.last = Published(version, path, manifest, tensors, None, last.chain_length + 1)
+                return self.last
+        path = writer.full(version, step, tensors)
+        self.last = Published(version, path, read_manifest(path), tensors if writer.delta else None, None)
+        return self.last
+
+
+@dataclass
+class Publisher:
+    writer: Writer
+    post: Callable[..., Awaitable[None]]  # (version, path, probe=, metrics=) -> awaited POST
+    done: Callable[[Job], None]  # the step's record is complete (rank 0's metrics line, evals)
+    prune: Callable[[Path], None]  # after each POST: old versions pruned, sparing this path
+    chain: Chain = field(default_factory=Chain)
+    probe: BackgroundProbe | None = None
+    drill: Any = None
+    metrics: Callable[[dict[str, Any]], dict[str, float]] = dict  # the record -> the POST's metrics
+    _task: asyncio.Task | None = None
+    _pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-publish"))
+
+    # -- the critical path ----------------------------------------------------------------
+
     def snapshot(self, sharding: Any, model: Any, dtype: Any, *, trainable_only: bool = False) -> dict[str, Any] | None:
         """COLLECTIVE under fsdp (call on the training thread, after `wait`): rank 0's snapshot."""
-        into = self.free_buffers()
+        into = self.chain.free_buffers()
         snapshots.take(sharding, model, dtype, into, trainable_only=trainable_only)
         return into if sharding.is_main else None
 
@@ -151,18 +188,17 @@ class Publisher:
         record = job.record if job.record is not None else {}
         started = time.monotonic()
         if job.tensors is None:
-            if self.last is None:
+            last = self.chain.last
+            if last is None:
                 raise RuntimeError(f"version {job.version}: nothing published yet to announce again")
-            path, probe = self.last.path, self.last.probe
+            path, probe = last.path, last.probe
             record["publish_kind"] = "reused"
         else:
             t0 = time.monotonic()
-            written = await self._in_thread(self._write, job)
+            written = await self._in_thread(self.chain.write, self.writer, job.version, job.step, job.tensors)
             record["write_s"] = time.monotonic() - t0
             record["written_at"] = time.time()
-            record.update(published_bytes=_dir_bytes(written.path), publish_kind=written.manifest.get("kind", "full"))
-            if "total_elements" in written.manifest:
-                record["delta_fraction"] = written.manifest["changed_elements"] / max(written.manifest["total_elements"], 1)
+            record.update(written.facts())
             await self._point("written", job.step)
             probe = job.probe
             if probe is None and job.probe_ids is not None and self.probe is not None:
@@ -170,8 +206,7 @@ class Publisher:
                 probe = await self._in_thread(self.probe.compute, job.tensors, job.probe_ids)
                 record["probe_s"] = time.monotonic() - t0
             await self._point("probed", job.step)
-            written.probe = probe
-            self.last = written
+            written.probe = probe  # announced again with this version should the weights not move
             path = written.path
         if job.before_post is not None:
             await job.before_post  # the "before" eval must see the starting weights
@@ -186,9 +221,6 @@ class Publisher:
             record["publish_wait_s"] = record.get("publish_wait_s", 0.0) + time.monotonic() - started
         self.done(job)
 
-    def _write(self, job: Job) -> Published:
-        return write_next(self.writer, self.last, job.version, job.step, job.tensors, self.full_every)
-
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -198,37 +230,19 @@ class Publisher:
 
 
 def weights_writer(root: Path, config: Any, dtype: Any) -> Writer:
-    """How full weights reach the disk (services/trainer/checkpoint.py): whole, or as a delta on
-    the version before, refused past DELTA_MAX_SHARE of the whole. Shared with the TRL bridge."""
+    """How full weights reach the disk (services/trainer/checkpoint.py, versions.py): whole, or as a
+    delta on the version before, refused past DELTA_MAX_SHARE of the whole. Shared with the TRL bridge."""
     from services.trainer import checkpoint as ckpt
+    from services.trainer.versions import publish_delta
 
     def full(version: int, step: int, tensors: dict[str, Any]) -> Path:
         return ckpt.publish_weights(root, version, tensors, config, dtype=dtype, step=step)
 
     def delta(version: int, step: int, tensors: dict[str, Any], base: Published) -> tuple[Path, dict[str, Any]]:
-        return ckpt.publish_delta(root, version, tensors, base.tensors, base.manifest, config, dtype=dtype,
-                                  step=step, max_share=DELTA_MAX_SHARE)
+        return publish_delta(root, version, tensors, base.tensors, base.manifest, config, dtype=dtype,
+                             step=step, max_share=DELTA_MAX_SHARE)
 
     return Writer(full=full, delta=delta)
-
-
-def write_next(writer: Writer, last: Published | None, version: int, step: int, tensors: dict[str, Any],
-               full_every: int) -> Published:
-    """Version `version` on disk (on the publisher's thread): a delta on `last` when the chain
-    allows it (`last` holds a snapshot, the chain is shorter than `full_every`, and the delta
-    can be made and is small enough), else a full version. Shared with the TRL bridge."""
-    from shared.weights_delta import DeltaError, read_manifest
-
-    if (writer.delta is not None and last is not None and last.tensors is not None
-            and last.chain_length + 1 < full_every):
-        try:
-            path, manifest = writer.delta(version, step, tensors, last)
-        except DeltaError as exc:
-            log.info("version %d written whole: %s", version, exc)
-        else:
-            return Published(version, path, manifest, tensors, None, last.chain_length + 1)
-    path = writer.full(version, step, tensors)
-    return Published(version, path, read_manifest(path), tensors if writer.delta else None, None)
 
 
 class BackgroundProbe:
@@ -262,9 +276,4 @@ class BackgroundProbe:
             for name, value in tensors.items():
                 own[name].copy_(value, non_blocking=True)  # a tied LM head follows its embedding
         return compute_probe_as_published(self.model, ids, self.publish_dtype)
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
 

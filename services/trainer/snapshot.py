@@ -77,6 +77,3 @@ def _copy_into(into: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -
         buffer = into[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
     buffer.copy_(tensor, non_blocking=tensor.is_cuda)
 
-
-def nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -81,7 +81,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.metrics import METRICS_FILE, MetricsLogger, ProgressBar, describe, eval_reward
 from services.trainer.mismatch import BehaviourMismatchError, MismatchGuard
 from services.trainer.model_setup import set_up_model
-from services.trainer.publication import BackgroundProbe, Job, Publisher, Writer, weights_writer
+from services.trainer.publication import BackgroundProbe, Chain, Job, Publisher, Writer, weights_writer
 from services.trainer.step_record import (
     all_reduce_rank_sums,
     learning_rate,
@@ -110,7 +110,6 @@ class RunState:
     start_step: int
     wall_start: float
     last_checkpoint: Path | None = None
-    last_published: Path | None = None  # the directory of the newest published version (rank 0)
     published_any: bool = False  # whether this run has published weights yet (every rank)
     checkpoint_step: int | None = None  # the step of the newest full checkpoint
     skipped_no_signal: int = 0
@@ -320,8 +319,6 @@ class Trainer:
     def _published(self, job: Job) -> None:
         """Rank 0, when version job.version is out: the step's metrics line, then its evals."""
         s, record = self.settings, job.record
-        if self.publisher.last is not None:
-            self.state.last_published = self.publisher.last.path
         if record is None:
             return
         self.metrics.write(record)
@@ -423,8 +420,8 @@ class Trainer:
             # Never the version the sampler serves (a retrained step's version is not served).
             ckpt.prune_published(self.publish_root, s.keep_published, protect=(self.served_path, path))
 
-        return Publisher(self.publish_root, writer, post=self._publish, done=self._published, prune=prune,
-                         full_every=s.full_every, probe=probe, drill=self.drill, metrics=published_metrics)
+        return Publisher(writer, post=self._publish, done=self._published, prune=prune, chain=Chain(s.full_every),
+                         probe=probe, drill=self.drill, metrics=published_metrics)
 
     def _probe_ids(self, batch: Batch) -> list[int] | None:
         from services.trainer.probe import probe_token_ids
@@ -499,7 +496,7 @@ class Trainer:
             await self.drill.point("checkpointed", step)
             ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
             if record is not None:
-                record["checkpoint_bytes"] = _dir_bytes(state.last_checkpoint)
+                record["checkpoint_bytes"] = ckpt.dir_bytes(state.last_checkpoint)
                 record["checkpoint_s"] = time.monotonic() - t0
 
     async def _final_checkpoint(self) -> None:
@@ -543,7 +540,7 @@ class Trainer:
             "eval_reward_after": after.get("reward") if after else None,
             "evals": self.evals,
             "last_checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
-            "last_published": str(state.last_published) if state.last_published else None,
+            "last_published": str(self.publisher.chain.last.path) if self.publisher.chain.last else None,
             "skipped_steps_no_signal": state.skipped_no_signal,
             "skipped_steps_non_finite": state.skipped_non_finite,
             "metrics_path": str(self.metrics.path),
@@ -618,10 +615,6 @@ class Trainer:
         self.metrics.write(record)
         log.info("eval %s (version %d): reward %s in %.1fs", label, version, record.get("reward"), record["seconds"])
         return record
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 async def train(settings: TrainerSettings, client: SamplerClient | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Delta versions on the trainer's side: writing one, and pruning that keeps whole chains.
+"""Delta versions on the trainer's side: writing one.
 
 A published version (services/trainer/checkpoint.py) is either full or a delta on the
 version before it (format: shared/weights_delta.py). The caller decides which (a full one
@@ -6,15 +6,14 @@ every so often, and whenever a delta cannot be made: `publish_delta` raises Delt
 keeps the publish-dtype snapshot of the version it published last (`snapshot`) as the next
 delta's base.
 
-Pruning keeps the newest `keep` versions and the protected ones, and with each of them the
-versions it is built from, down to its full root: a kept delta is never left without its
-base, so a server that joins or restarts can always replay the chain.
+Pruning (`checkpoint.prune_published`) keeps with every kept version the versions it is built
+from, down to its full root (`weights_delta.bases_on_disk`): a kept delta is never left
+without its base, so a server that joins or restarts can always replay the chain.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -87,38 +86,3 @@ def publish_delta(publish_root: Path | str, version: int, tensors: dict[str, Any
     log.debug("published version-%d as a delta on version-%s: %d of %d elements changed", version, base_version,
               changed, total)
     return path, read_manifest(path)
-
-
-def _with_bases(path: Path) -> list[Path]:
-    """`path` and the versions it is built from that are on disk (following base_version, as
-    far as the chain goes: a broken one keeps what is left of it)."""
-    out, seen = [path], {path.resolve()}
-    while True:
-        try:
-            manifest = read_manifest(path)
-        except DeltaError:
-            return out
-        if manifest.get("kind") != "delta" or manifest.get("base_version") is None:
-            return out
-        base = path.parent / f"version-{manifest['base_version']}"
-        if not base.is_dir() or base.resolve() in seen:
-            return out
-        out.append(base)
-        seen.add(base.resolve())
-        path = base
-
-
-def prune_chains(publish_root: Path | str, keep: int, protect: tuple[Path | str | None, ...] = ()) -> list[Path]:
-    """Delete all published versions but the `keep` written last, those in `protect` and the
-    versions any of those is built from; returns the deleted paths."""
-    if keep < 1:
-        raise ValueError("keep must be >= 1: the newest published version is what inference serves")
-    found = ckpt.list_published(publish_root)
-    kept = [path for _, path in ckpt._newest_first(found, ckpt.PUBLISHED_FILE)[:keep]]
-    kept += [Path(p) for p in protect if p and Path(p).is_dir()]
-    spared = {link.resolve() for path in kept for link in _with_bases(path)}
-    doomed = [path for _, path in found if path.resolve() not in spared]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-        log.debug("deleted %s", path)
-    return doomed

@@ -36,7 +36,7 @@ import torch
 
 from services.trainer import checkpoint as ckpt
 from services.trainer import snapshot as snapshots
-from services.trainer.publication import Published, weights_writer, write_next
+from services.trainer.publication import Chain, weights_writer
 from services.trainer.probe import compute_probe_as_published, probe_token_ids
 from services.trl_bridge.sampler_link import SamplerLink
 from shared.wire import Sample
@@ -56,9 +56,7 @@ class Publisher:
         self.probe_tokens = probe_tokens
         self.dtype = dtype
         self.adapter = adapter
-        self.full_every = full_every
-        self.last: Published | None = None  # the newest version written: the next delta's base
-        self._buffers: list[dict[str, Any]] = [{}, {}]
+        self.chain = Chain(full_every)  # the newest version written (the next delta's base), the buffers
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-trl-publish")
         self._in_flight: concurrent.futures.Future | None = None
 
@@ -77,7 +75,7 @@ class Publisher:
         if self.adapter:
             tensors, written = None, self.write(version, step, model, state_dict, None)
         else:
-            tensors, written = self._free_buffers(), None
+            tensors, written = self.chain.free_buffers(), None
             snapshots.copy_into(tensors, ckpt.untie(state_dict, model.config), dtype)
         t_snapshot = time.monotonic()
         probe = self._probe(model, probe_sample, dtype)
@@ -127,16 +125,12 @@ class Publisher:
         info: dict[str, Any] = {}
         if written is not None:
             path = written["path"]
-            info.update(write_s=written["write_s"], publish_kind="full")
+            info.update(write_s=written["write_s"], publish_kind="full", published_bytes=ckpt.dir_bytes(path))
         else:
             t0 = time.monotonic()
-            self.last = write_next(weights_writer(self.root, config, dtype), self.last, version, step, tensors,
-                                   self.full_every)
-            path, manifest = self.last.path, self.last.manifest
-            info.update(write_s=time.monotonic() - t0, publish_kind=manifest.get("kind", "full"))
-            if "total_elements" in manifest:
-                info["delta_fraction"] = manifest["changed_elements"] / max(manifest["total_elements"], 1)
-        info["published_bytes"] = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+            version_out = self.chain.write(weights_writer(self.root, config, dtype), version, step, tensors)
+            path = version_out.path
+            info.update(write_s=time.monotonic() - t0, **version_out.facts())
         t0 = time.monotonic()
         info["fresh"] = self.link.publish(version, str(path), probe=probe, metrics=metrics, resume_step=resume_step,
                                           adapter=self.adapter)
@@ -151,10 +145,6 @@ class Publisher:
 
     def _dtype(self, model: Any) -> torch.dtype:
         return self.dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
-
-    def _free_buffers(self) -> dict[str, Any]:
-        held = self.last.tensors if self.last is not None else None
-        return self._buffers[1] if held is self._buffers[0] else self._buffers[0]
 
     def _probe(self, model: Any, probe_sample: Sample | None, dtype: torch.dtype) -> dict[str, Any] | None:
         ids = probe_token_ids(probe_sample, self.probe_tokens) if probe_sample is not None else None

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from services.inference.testing import ServerHandle, start_server
 from services.inference.vllm_ext import RELOAD_METHOD
 from services.trainer import checkpoint as ckpt
-from services.trainer.versions import snapshot
+from services.trainer.versions import publish_delta, snapshot
 from shared import weights_delta as wd
 
 TOKEN = "delta-reload-token"
@@ -55,7 +55,7 @@ def _publish(root: Path, version: int, snap: dict[str, torch.Tensor], base: tupl
     if base is None:
         path = ckpt.publish_weights(root, version, snap, config, dtype=torch.bfloat16, step=0)
         return path, wd.read_manifest(path)
-    return ckpt.publish_delta(root, version, snap, base[0], base[1], config, dtype=torch.bfloat16, step=version - 1)
+    return publish_delta(root, version, snap, base[0], base[1], config, dtype=torch.bfloat16, step=version - 1)
 
 
 def _reload(server: ServerHandle, path: Path, method: str = RELOAD_METHOD) -> httpx.Response:

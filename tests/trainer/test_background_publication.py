@@ -112,7 +112,7 @@ async def test_deltas_between_full_versions_rebuild_the_trainers_weights(stack, 
 
 
 @pytest.mark.timeout(60)
-async def test_one_publication_in_flight_and_its_error_surfaces_at_the_next_wait(tmp_path: Path) -> None:
+async def test_one_publication_in_flight_and_its_error_surfaces_at_the_next_wait() -> None:
     from services.trainer.publication import Job, Publisher, Writer
 
     def full(version: int, step: int, tensors: dict) -> Path:
@@ -121,7 +121,7 @@ async def test_one_publication_in_flight_and_its_error_surfaces_at_the_next_wait
     async def post(*args, **kwargs) -> None:
         raise AssertionError("nothing may be announced after a failed write")
 
-    publisher = Publisher(tmp_path, Writer(full=full), post=post, done=lambda job: None, prune=lambda path: None)
+    publisher = Publisher(Writer(full=full), post=post, done=lambda job: None, prune=lambda path: None)
     publisher.start(Job(1, 0, {"w": torch.zeros(2)}, {}))
     with pytest.raises(RuntimeError, match="still in flight"):
         publisher.start(Job(2, 1, {"w": torch.zeros(2)}, {}))

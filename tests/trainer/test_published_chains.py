@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.trainer import checkpoint as ckpt
-from services.trainer.versions import snapshot
+from services.trainer.versions import publish_delta, snapshot
 from shared import weights_delta as wd
 
 
@@ -39,7 +39,7 @@ def _publish_run(root, model, versions: range, full_every: int = 100):
             path = ckpt.publish_weights(root, version, snap, model.config, dtype=torch.bfloat16, step=version - 1)
             manifest = wd.read_manifest(path)
         else:
-            path, manifest = ckpt.publish_delta(root, version, snap, base[0], base[1], model.config,
+            path, manifest = publish_delta(root, version, snap, base[0], base[1], model.config,
                                                 dtype=torch.bfloat16, step=version - 1)
         snaps[version], base = snap, (snap, manifest)
     return snaps
@@ -105,18 +105,18 @@ def test_a_delta_that_cannot_be_made_is_refused(tmp_path, model) -> None:
     moved = {n: t.clone() for n, t in snap.items()}
     moved["model.norm.weight"][0] += 1
     with pytest.raises(wd.DeltaError, match="delta on itself"):
-        ckpt.publish_delta(tmp_path, 1, moved, snap, manifest, model.config, dtype=torch.bfloat16, step=1)
+        publish_delta(tmp_path, 1, moved, snap, manifest, model.config, dtype=torch.bfloat16, step=1)
     with pytest.raises(wd.DeltaError, match="not version 1's weights"):
-        ckpt.publish_delta(tmp_path, 2, moved, moved, manifest, model.config, dtype=torch.bfloat16, step=1)
+        publish_delta(tmp_path, 2, moved, moved, manifest, model.config, dtype=torch.bfloat16, step=1)
     old = {k: v for k, v in manifest.items() if k not in ("kind", "checksums", "digest")}
     with pytest.raises(wd.DeltaError, match="no digest"):
-        ckpt.publish_delta(tmp_path, 2, moved, snap, old, model.config, dtype=torch.bfloat16, step=1)
+        publish_delta(tmp_path, 2, moved, snap, old, model.config, dtype=torch.bfloat16, step=1)
     bad = {**moved, "model.norm.weight": moved["model.norm.weight"].clone()}
     bad["model.norm.weight"][1] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
-        ckpt.publish_delta(tmp_path, 2, bad, snap, manifest, model.config, dtype=torch.bfloat16, step=1)
+        publish_delta(tmp_path, 2, bad, snap, manifest, model.config, dtype=torch.bfloat16, step=1)
     ckpt.prune_published(tmp_path, 1)
     path.rename(tmp_path / "gone")
     with pytest.raises(wd.DeltaError, match="is gone or holds other weights"):
-        ckpt.publish_delta(tmp_path, 2, moved, snap, manifest, model.config, dtype=torch.bfloat16, step=1)
+        publish_delta(tmp_path, 2, moved, snap, manifest, model.config, dtype=torch.bfloat16, step=1)
     assert ckpt.list_published(tmp_path) == []

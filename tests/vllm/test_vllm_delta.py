@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from services.inference.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
-from services.trainer.checkpoint import publish_delta, publish_weights
+from services.trainer.checkpoint import publish_weights
+from services.trainer.versions import publish_delta
 from shared import weights_delta as wd
 from tests.support.vllm import (
     VllmHandle,
