@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import string
+from pathlib import Path
 from typing import Any
 
 PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
@@ -61,10 +62,14 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-def build_tokenizer():
-    """A `PreTrainedTokenizerFast` over SPECIAL_TOKENS + CHARACTERS (ids in that order)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+MODEL_MAX_LENGTH = 2048
+
+
+def build_core():
+    """The `tokenizers.Tokenizer` behind `build_tokenizer()`: WordLevel over SPECIAL_TOKENS +
+    CHARACTERS (ids in that order). Needs only the `tokenizers` library, so `init_model` can
+    write tokenizer.json without importing transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
@@ -72,18 +77,52 @@ def build_tokenizer():
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # WordLevel would join pieces with spaces; characters concatenate.
     core.decoder = decoders.Fuse()
+    # What transformers 5 installs when a tokenizer has none and adds neither BOS nor EOS
+    # (update_post_processor); set here so that tokenizer.json is the same with or without it.
+    core.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
     core.add_special_tokens(SPECIAL_TOKENS)
+    return core
+
+
+def build_tokenizer():
+    """A `PreTrainedTokenizerFast` over `build_core()`."""
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+        tokenizer_object=build_core(),
         pad_token=PAD,
         eos_token=IM_END,
         unk_token=UNK,
         additional_special_tokens=[IM_START],
         clean_up_tokenization_spaces=False,
-        model_max_length=2048,
+        model_max_length=MODEL_MAX_LENGTH,
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def write_tokenizer_files(directory: str | Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into `directory`, byte
+    for byte what `build_tokenizer().save_pretrained(directory)` writes with transformers 5.24,
+    plus the chat template in tokenizer_config.json; without importing transformers (the demo's
+    start-up waits for this). tests/inference/test_inference_init_model.py checks the bytes."""
+    directory = Path(directory)
+    build_core().save(str(directory / "tokenizer.json"))  # pretty, as transformers saves it
+    config = {
+        "backend": "tokenizers",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": IM_END,
+        "extra_special_tokens": [IM_START],
+        "model_max_length": MODEL_MAX_LENGTH,
+        "pad_token": PAD,
+        "tokenizer_class": "TokenizersBackend",
+        "unk_token": UNK,
+        # Newer transformers writes the template only to chat_template.jinja; older readers
+        # (and some vLLM versions) look in tokenizer_config.json.
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
