@@ -95,7 +95,8 @@ def oldest_allowed_version(step: int, max_staleness: int, num_iterations: int = 
 
 def can_prefetch(max_staleness: int) -> bool:
     """Whether the trainer may fetch batch N + 1 while it trains on N: only when that batch
-    may be generated from version N, which is published before step N's training ends."""
+    may be generated from version N, which is published (in the background) while step N
+    trains; the trainer asks for it once that publication's POST has answered."""
     return max_staleness >= 1
 
 

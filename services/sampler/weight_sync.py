@@ -251,6 +251,7 @@ class WeightSync:
         error: SyncStepError | None = None
         paused = False
         checked: ProbeResult | None = None
+        probing: asyncio.Task | None = None
         # Requests in flight on a server that has no adapter yet name the base model: let them
         # finish on it rather than continue on the base under the adapter's version label.
         pause_mode = "wait" if adapter and server.adapter is None else "keep"
@@ -261,9 +262,13 @@ class WeightSync:
                 await self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode})
                 paused = True
                 await self._load(server, checkpoint_path, adapter)
-                await self._call(server, "update_weight_version", "POST", "/update_weight_version",
-                                 json={"new_version": str(version)})
-                await self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache")
+                await self._label_and_reset(server, version)
+                if probe is not None:
+                    # Still no work for it (syncing): first show that it computes the trainer's
+                    # numbers. Sent before the resume, which a paused server queues it behind
+                    # (vLLM and the CPU server alike), so its round trip overlaps the resume's.
+                    probing = asyncio.create_task(self.verify(server, probe, self.adapter_name if adapter else None),
+                                                  name=f"probe-{server.url}")
             except SyncStepError as exc:
                 error = exc
             finally:
@@ -273,10 +278,11 @@ class WeightSync:
                 resuming = self._track(self._resuming, asyncio.create_task(self.resume(server),
                                                                            name=f"resume-after-sync-{server.url}"))
                 resumed = await asyncio.shield(resuming)
-            if error is None and resumed and probe is not None:
-                # Still no work for it (syncing): first show that it computes the trainer's numbers.
-                checked = server.last_probe = await self.verify(server, probe, self.adapter_name if adapter else None)
+            if probing is not None and resumed:
+                checked = server.last_probe = await probing
         finally:
+            if probing is not None and not probing.done():
+                probing.cancel()  # the resume failed (or the sync was cancelled): nothing to verify
             server.syncing = False
         seconds = time.monotonic() - started
         if error is None and resumed and (checked is None or checked.ok):
@@ -314,6 +320,18 @@ class WeightSync:
         if unreachable:
             self.pool.suspect(server, message)  # out of rotation; the fleet re-syncs it once it answers
         return self._report(SyncResult(server.url, False, server.version, seconds, message, client_error, unreachable))
+
+    async def _label_and_reset(self, server: Server, version: int) -> None:
+        """The new version's label and an empty prefix cache, asked together: neither depends on
+        the other, and both come after the load (a label never names weights not yet loaded)."""
+        replies = await asyncio.gather(
+            self._call(server, "update_weight_version", "POST", "/update_weight_version",
+                       json={"new_version": str(version)}),
+            self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache"),
+            return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
 
     def _report(self, result: SyncResult) -> SyncResult:
         for hook in self.on_synced:

@@ -3,18 +3,21 @@
 After optimizer step N the trainer (services/trainer/trainer.py) does one thing for version N+1
 on its critical path: the snapshot (services/trainer/snapshot.py), the weights cast to the
 publish dtype and copied into host buffers the optimizer does not touch. It hands that to
-`Publisher.start` and trains step N+1 while the publisher, on its own thread and the event
-loop:
+`Publisher.start` and trains step N+1 while the publisher, on two threads of its own and the
+event loop:
 
   1. writes the version (services/trainer/checkpoint.py): a full one, or its difference from
      the previous version (shared/weights_delta.py) when a chain is open and shorter than
      `full_every`; the non-finite check happens there, so NaN never leaves the trainer;
-  2. computes the probe (services/trainer/probe.py) from the snapshot, with a copy of the model
-     of its own (`BackgroundProbe`), so the training thread never runs its forward (a LoRA
-     run's probe is computed on the critical path instead: its adapter is small and its
-     forward needs the live base);
+  2. meanwhile, on the second thread, computes the probe (services/trainer/probe.py) from the
+     snapshot, with a copy of the model of its own (`BackgroundProbe`), so the training thread
+     never runs its forward (a LoRA run's probe is computed on the critical path instead: its
+     adapter is small and its forward needs the live base);
   3. POSTs `/weights_version`, which answers when the servers are synced and probed;
   4. prunes old versions and calls `done(record)` (the step's metrics line, its evals).
+
+`posted(version)` lets the trainer's prefetch of the next batch wait for the POST that makes
+that batch possible instead of asking too early (a 409, then a retry after a back-off sleep).
 
 Invariants:
 * At most one publication is in flight. `wait()` (the trainer calls it before the next
@@ -103,6 +106,9 @@ class Chain:
     full_every: int = 10
     last: Published | None = None
     _buffers: list[dict[str, Any]] = field(default_factory=lambda: [{}, {}])
+    # After a delta is refused (most values moved, as with a tiny model at a large learning
+    # rate), versions below this one are written whole without trying: a try diffs every tensor.
+    _whole_until: int = 0
 
     def free_buffers(self) -> dict[str, Any]:
         """The buffer set the next snapshot may fill: not the one the newest version is in."""
@@ -112,16 +118,19 @@ class Chain:
     def write(self, writer: Writer, version: int, step: int, tensors: dict[str, Any]) -> Published:
         """Version `version` on disk (on the publisher's thread), now `last`: a delta on `last`
         when the chain allows it (`last` holds a snapshot, the chain is shorter than
-        `full_every`, and the delta can be made and is small enough), else a full version."""
+        `full_every`, no delta was refused in the last `full_every` versions, and the delta can
+        be made and is small enough), else a full version."""
         from shared.weights_delta import DeltaError, read_manifest
 
         last = self.last
         if (writer.delta is not None and last is not None and last.tensors is not None
-                and last.chain_length + 1 < self.full_every):
+                and last.chain_length + 1 < self.full_every and version >= self._whole_until):
             try:
                 path, manifest = writer.delta(version, step, tensors, last)
             except DeltaError as exc:
-                log.info("version %d written whole: %s", version, exc)
+                self._whole_until = version + self.full_every
+                log.info("version %d written whole: %s; the next delta is tried at version %d", version, exc,
+                         self._whole_until)
             else:
                 self.last = Published(version, path, manifest, tensors, None, last.chain_length + 1)
                 return self.last
@@ -141,8 +150,12 @@ class Publisher:
     drill: Any = None
     metrics: Callable[[dict[str, Any]], dict[str, float]] = dict  # the record -> the POST's metrics
     _task: asyncio.Task | None = None
+    _job: Job | None = None  # the one in flight
+    _posted: asyncio.Event | None = None  # set once its POST has answered (or it ended without one)
     _pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-publish"))
+    _probe_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-probe"))
 
     # -- the critical path ----------------------------------------------------------------
 
@@ -166,13 +179,25 @@ class Publisher:
     def start(self, job: Job) -> None:
         if self._task is not None and not self._task.done():
             raise RuntimeError(f"version {job.version}: a publication is still in flight (wait() first)")
+        self._job, self._posted = job, asyncio.Event()
         self._task = asyncio.create_task(self._publish(job), name=f"publish-version-{job.version}")
+        self._task.add_done_callback(lambda _, posted=self._posted: posted.set())
+
+    async def posted(self, version: int) -> None:
+        """Return once the sampler has (or may have) version `version`: at once unless version
+        `version` is the one in flight (an older one was posted before it started; a newer one
+        is not this publisher's yet), else when its POST has answered or it failed (the failure
+        itself is raised by `wait()`, not here)."""
+        job, posted = self._job, self._posted
+        if self._task is None or job is None or posted is None or job.version != version:
+            return
+        await posted.wait()
 
     def warm(self) -> None:
-        """Build the background probe's model on the publisher's thread now (the first
-        publication queues behind it)."""
+        """Build the background probe's model on the probe's thread now (the first probe
+        queues behind it)."""
         if self.probe is not None:
-            self._pool.submit(self.probe.build)
+            self._probe_pool.submit(self.probe.build)
 
     async def close(self) -> None:
         """Stop a publication in flight (the run is failing) and the thread."""
@@ -181,6 +206,7 @@ class Publisher:
             with contextlib.suppress(BaseException):
                 await self._task
         self._pool.shutdown(wait=False)
+        self._probe_pool.shutdown(wait=False)
 
     # -- the background -------------------------------------------------------------------
 
@@ -194,17 +220,22 @@ class Publisher:
             path, probe = last.path, last.probe
             record["publish_kind"] = "reused"
         else:
-            t0 = time.monotonic()
-            written = await self._in_thread(self.chain.write, self.writer, job.version, job.step, job.tensors)
-            record["write_s"] = time.monotonic() - t0
+            probing = None
+            if job.probe is None and job.probe_ids is not None and self.probe is not None:
+                # On a thread of its own while the version is written: both only read the snapshot.
+                probing = asyncio.ensure_future(self._timed(record, "probe_s", self._probe_pool, self.probe.compute,
+                                                            job.tensors, job.probe_ids))
+            try:
+                written = await self._timed(record, "write_s", self._pool, self.chain.write, self.writer,
+                                            job.version, job.step, job.tensors)
+            except BaseException:
+                if probing is not None:
+                    probing.cancel()
+                raise
             record["written_at"] = time.time()
             record.update(written.facts())
             await self._point("written", job.step)
-            probe = job.probe
-            if probe is None and job.probe_ids is not None and self.probe is not None:
-                t0 = time.monotonic()
-                probe = await self._in_thread(self.probe.compute, job.tensors, job.probe_ids)
-                record["probe_s"] = time.monotonic() - t0
+            probe = job.probe if probing is None else await probing
             await self._point("probed", job.step)
             written.probe = probe  # announced again with this version should the weights not move
             path = written.path
@@ -213,6 +244,8 @@ class Publisher:
         t0 = time.monotonic()
         await self.post(job.version, path, probe=probe, metrics=self.metrics(record) if job.record else None)
         record["publish_s"] = time.monotonic() - t0
+        if self._posted is not None and self._job is job:
+            self._posted.set()
         self.prune(path)
         await self._point("published", job.step)
         if job.inline:
@@ -221,8 +254,12 @@ class Publisher:
             record["publish_wait_s"] = record.get("publish_wait_s", 0.0) + time.monotonic() - started
         self.done(job)
 
-    async def _in_thread(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _timed(self, record: dict[str, Any], key: str, pool: concurrent.futures.Executor, fn: Any,
+                     *args: Any) -> Any:
+        t0 = time.monotonic()
+        result = await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        record[key] = time.monotonic() - t0
+        return result
 
     async def _point(self, point: str, step: int) -> None:
         if self.drill is not None:

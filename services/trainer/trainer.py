@@ -353,11 +353,17 @@ class Trainer:
                 f"({s.grad_accum_steps}) = {expected}"
             )
         if contract.can_prefetch(self.config.max_staleness) and step + 1 < s.max_steps:
-            # Batch N+1 may use version N (already published): fetch it while training.
-            state.prefetch = asyncio.create_task(
-                self.client.get_batch(step + 1, world.rank, world.world_size, timeout=s.batch_timeout)
-            )
+            # Batch N+1 may use version N: fetch it while training, once version N is out.
+            state.prefetch = asyncio.create_task(self._prefetch(step + 1))
         return batch, wait_s
+
+    async def _prefetch(self, step: int) -> Batch:
+        """Batch `step`, asked for as soon as the sampler can have it: the version it needs may
+        still be publishing in the background, and asked before that the sampler answers 409
+        (BatchNotReady), which costs a retry after a back-off sleep."""
+        s, world = self.settings, self.world
+        await self.publisher.posted(step - self.config.max_staleness)
+        return await self.client.get_batch(step, world.rank, world.world_size, timeout=s.batch_timeout)
 
     async def _publish_step(self, step: int, batch: Batch, record: dict[str, Any], lr: float) -> None:
         """Version step + 1 (every rank calls it: the snapshot, a LoRA run's probe and the

@@ -14,6 +14,7 @@ import torch
 from services.trainer import checkpoint as ckpt
 from services.trainer.trainer import train
 from shared import weights_delta
+from shared.client import BatchNotReady
 from tests.trainer.test_integration import TOKEN, RecordingClient, _records, _settings
 
 
@@ -26,6 +27,7 @@ class SlowPublishClient(RecordingClient):
         self.delay = delay
         self.posted_at: dict[int, float] = {}
         self.batch_at: dict[int, float] = {}
+        self.not_ready: list[int] = []  # steps the sampler answered 409 for (asked too early)
 
     async def publish_weights(self, version: int, *args, **kwargs):
         await asyncio.sleep(self.delay)
@@ -35,7 +37,11 @@ class SlowPublishClient(RecordingClient):
             self.posted_at[version] = time.monotonic()
 
     async def get_batch(self, step: int, *args, **kwargs):
-        batch = await super().get_batch(step, *args, **kwargs)
+        try:
+            batch = await super().get_batch(step, *args, **kwargs)
+        except BatchNotReady:
+            self.not_ready.append(step)
+            raise
         self.batch_at.setdefault(step, time.monotonic())
         return batch
 
@@ -61,6 +67,9 @@ async def test_the_next_step_trains_while_a_version_publishes(stack, tiny_model_
         assert r["publish_kind"] in ("full", "delta") and "write_s" in r and "probe_s" in r, r
     # A step is much shorter than the 1.5 s POST: the next snapshot waited for it, and said so.
     assert all(r["publish_wait_s"] > 0.5 for r in steps[1:]), [r["publish_wait_s"] for r in steps]
+    # The prefetch of batch N+1 waited for version N's POST instead of asking while it was in
+    # flight: the sampler never had to answer 409 (each one costs a retry after a back-off sleep).
+    assert client.not_ready == []
 
 
 @pytest.mark.timeout(180)
@@ -129,6 +138,68 @@ async def test_one_publication_in_flight_and_its_error_surfaces_at_the_next_wait
         await publisher.wait()
     assert await publisher.wait() == 0.0  # nothing in flight any more
     await publisher.close()
+
+
+@pytest.mark.timeout(60)
+async def test_posted_waits_only_for_the_version_in_flight() -> None:
+    from services.trainer.publication import Job, Published, Publisher, Writer
+
+    answer = asyncio.Event()
+    posts: list[int] = []
+
+    async def post(version: int, *args, **kwargs) -> None:
+        await answer.wait()
+        posts.append(version)
+
+    publisher = Publisher(Writer(full=lambda version, step, tensors: Path(f"/v{version}")), post=post,
+                          done=lambda job: None, prune=lambda path: None)
+    await asyncio.wait_for(publisher.posted(3), 1)  # nothing in flight
+    # Jobs without tensors announce the newest version again: no disk needed.
+    publisher.chain.last = Published(2, Path("/v2"), {}, None, {"token_ids": [1]})
+    publisher.start(Job(3, 2, None, None))
+    await asyncio.wait_for(publisher.posted(2), 1)  # posted before version 3 started
+    await asyncio.wait_for(publisher.posted(4), 1)  # not this publisher's yet
+    waiting = asyncio.create_task(publisher.posted(3))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # version 3's POST has not answered
+    answer.set()
+    await asyncio.wait_for(waiting, 1)
+    assert posts == [3]
+    await publisher.wait()
+
+    async def refuse(*args, **kwargs) -> None:
+        raise RuntimeError("the sampler refused version 4")
+
+    # A publication that fails releases its waiters too; its error surfaces at wait().
+    publisher.post = refuse
+    publisher.start(Job(4, 3, None, None))
+    await asyncio.wait_for(publisher.posted(4), 1)
+    with pytest.raises(RuntimeError, match="refused version 4"):
+        await publisher.wait()
+    await publisher.close()
+
+
+def test_after_a_refused_delta_versions_are_written_whole_for_full_every_versions(monkeypatch) -> None:
+    from services.trainer.publication import Chain, Writer
+    from shared import weights_delta as wd
+
+    moved = {2: 0.9, 3: 0.1, 4: 0.1, 5: 0.1, 6: 0.1}  # the share of values each version changes
+    tries: list[int] = []
+
+    def delta(version: int, step: int, tensors: dict, base) -> tuple[Path, dict]:
+        tries.append(version)
+        if moved[version] > 0.5:
+            raise wd.DeltaError(f"{moved[version]:.0%} of the values changed: write version {version} in full")
+        return Path(f"version-{version}"), {"kind": "delta"}
+
+    monkeypatch.setattr(wd, "read_manifest", lambda path: {"kind": "full"})  # no files are written
+    writer = Writer(full=lambda version, step, tensors: Path(f"version-{version}"), delta=delta)
+    chain = Chain(full_every=3)
+    kinds = [chain.write(writer, version, version - 1, {}).manifest["kind"] for version in range(1, 7)]
+    # Version 2's delta is refused: 3 and 4 are written whole without a try (each try diffs
+    # every tensor); version 5 tries again.
+    assert tries == [2, 5, 6]
+    assert kinds == ["full", "full", "full", "full", "delta", "delta"]
 
 
 @pytest.mark.parametrize("value, says", [("0", "greater than or equal to 1"), ("1001", "less than or equal to 1000")])

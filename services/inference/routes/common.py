@@ -1,5 +1,6 @@
 """What the generation routes (completions.py, generate.py) share: cancelling a request whose
-client went away, token pieces for logprobs, and the decoder that streamed text deltas use."""
+client went away, token pieces for logprobs, the decoder that streamed text deltas use, and the
+answer as JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 DISCONNECT_POLL_S = 1.0
 
@@ -43,3 +44,10 @@ def token_pieces(tokenizer):
 def text_decoder(tokenizer, skip_special_tokens: bool):
     # As the engine decodes the final text, so the streamed deltas add up to it.
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def json_answer(body: dict[str, Any]) -> JSONResponse:
+    """A generation answer, already JSON-native (protocol.py builds plain dicts, lists, strings
+    and finite floats), rendered as FastAPI would render it but without `jsonable_encoder`'s walk
+    of every value: for a batch of short answers that walk was a third of the server's CPU."""
+    return JSONResponse(body)

@@ -19,7 +19,12 @@ from services.inference import protocol as P
 from services.inference.chat import check_tools, parses_tool_calls, render_chat
 from services.inference.deps import EngineDep, Served
 from services.inference.engine import RequestError
-from services.inference.routes.common import text_decoder, token_pieces, unless_disconnected
+from services.inference.routes.common import (
+    json_answer,
+    text_decoder,
+    token_pieces,
+    unless_disconnected,
+)
 from services.inference.streaming import chat_chunks, completion_chunks, event_stream
 
 router = APIRouter(tags=["completions"])
@@ -64,7 +69,7 @@ async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep
     response = P.completion_response(adapter.name if adapter else served.id, choices, prompt_tokens,
                                      completion_tokens)
     if not req.stream:
-        return response
+        return json_answer(response)
     outs = [out for outs in result for out in outs]
     lens = [len(ids) for ids, outs in zip(prompts, result) for _ in outs]
     decode = text_decoder(eng.tokenizer, req.skip_special_tokens)
@@ -91,5 +96,5 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: 
     choices = [P.chat_choice(j, out, req, piece, parse_tools) for j, out in enumerate(outs)]
     response = P.chat_response(adapter.name if adapter else served.id, choices, outs, ids, req)
     if not req.stream:
-        return response
+        return json_answer(response)
     return event_stream(chat_chunks(response, outs, req, text_decoder(eng.tokenizer, req.skip_special_tokens)))

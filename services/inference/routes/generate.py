@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from services.inference import generate as G
 from services.inference.deps import EngineDep, Served
-from services.inference.routes.common import text_decoder, token_pieces, unless_disconnected
+from services.inference.routes.common import json_answer, text_decoder, token_pieces, unless_disconnected
 from services.inference.streaming import event_stream
 
 router = APIRouter(tags=["generate"])
@@ -34,6 +34,6 @@ async def generate(req: G.GenerateRequest, request: Request, eng: EngineDep, ser
     model = adapter.name if adapter else served.id
     body = G.response(f"generate-tokens-{request_id}", model, outs, req, token_pieces(eng.tokenizer))
     if not req.stream:
-        return body
+        return json_answer(body)
     decode = text_decoder(eng.tokenizer, req.sampling_params.skip_special_tokens)
     return event_stream(G.stream_chunks(body, outs, req, decode))
