@@ -1,5 +1,7 @@
 """FastAPI dependencies of the CPU inference server: the engine and the served model, both
-read from the app's state (set by `create_app` and its lifespan), and which model a request names."""
+read from the app's state (set by `create_app` and its lifespan), and which model a request names.
+They are coroutines although they never wait: FastAPI runs a plain function dependency on its
+thread pool, a hop per dependency per request."""
 
 from __future__ import annotations
 
@@ -32,13 +34,13 @@ class ServedModel:
         return adapter
 
 
-def get_engine(request: Request) -> Engine:
+async def get_engine(request: Request) -> Engine:
     # On app.state rather than in the lifespan's state: ServerHandle.engine (testing.py) reads
     # it from outside any request.
     return request.app.state.engine
 
 
-def get_served_model(request: Request) -> ServedModel:
+async def get_served_model(request: Request) -> ServedModel:
     return request.app.state.served_model
 
 

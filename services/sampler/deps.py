@@ -14,7 +14,8 @@ from fastapi import Depends, Request
 from services.sampler.state import SamplerState
 
 
-def get_state(request: Request) -> SamplerState:
+async def get_state(request: Request) -> SamplerState:
+    # A coroutine although it never waits: FastAPI runs a plain function on its thread pool.
     return request.state.sampler
 
 
