@@ -123,7 +123,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         sessions = Sessions()
         vf_link = VerifiersLink(base_url=settings.self_url, sessions=sessions, tokenizer=settings.vf_tokenizer,
                                 renderer=settings.vf_renderer, request_timeout=settings.request_timeout,
-                                api_token=settings.api_token)
+                                api_token=settings.api_token, in_process=settings.vf_client == "in_process")
         made: list[Rollouts] = []
 
         def make_rollouts(environment: Environment) -> Rollouts:

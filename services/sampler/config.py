@@ -155,6 +155,10 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     vf_renderer: str = Field(
         default="tandem", description="renderer of verifiers turns: tandem (keeps sampled tokens verbatim), a "
                                       "renderers name (auto, qwen3, ...) or custom:<module.Class>")
+    vf_client: Literal["in_process", "http"] = Field(
+        default="in_process", description="how verifiers' training client reaches the inference pool: in_process "
+                                          "(calls the generate route's code) or http (POSTs this sampler's "
+                                          "/inference/v1/generate, as a client outside it would)")
 
     @property
     def self_url(self) -> str:

@@ -42,6 +42,7 @@ from shared.token_guard import bearer_headers
 
 if TYPE_CHECKING:
     from services.sampler.rollout import Rollouts
+    from services.sampler.vf.local_client import Endpoint
 
 log = logging.getLogger("tandem.sampler.verifiers")
 
@@ -49,6 +50,8 @@ RENDERER = "services.sampler.vf.renderer.TandemRenderer"
 # Sampling parameters the trainer computes its probabilities with: the sampler's win over a
 # role's own (max_tokens stays the role's to set, as a turn budget).
 CONTRACT = ("temperature", "top_p", "top_k", "min_p")
+# Model contexts kept per environment: one per (rollouts, model, sampling) in use.
+CONTEXTS_KEPT = 16
 
 
 @dataclass
@@ -62,6 +65,9 @@ class VerifiersLink:
     api_token: str | None = None  # the sampler's, for its POST /inference/v1/generate
     renderer: str = "tandem"      # "tandem", a `renderers` name ("auto", "qwen3", ...), or "custom:<import path>"
     request_timeout: float = 600.0
+    # True: verifiers' training client calls the generate route's code in-process
+    # (vf/local_client.py); False: over HTTP, as a client outside the sampler would.
+    in_process: bool = True
 
 
 def renderer_config(name: str) -> dict[str, Any]:
@@ -94,6 +100,12 @@ def fresh_renderers_lock() -> None:
 class VerifiersEnvironment(Environment):
     def __init__(self, taskset_id: str, **env_args: Any):
         self.vf = import_verifiers()
+        # Imported here, as verifiers is (app.py imports this module for VerifiersLink).
+        from services.sampler.vf import local_client, pydantic_defaults
+
+        self._local = local_client
+        local_client.install()  # verifiers' interception server builds in-process clients
+        pydantic_defaults.install()  # verifiers' trace graph: model_construct without inspect.signature
         absolute_pythonpath()
         self.taskset_id = taskset_id
         self.name = PREFIX + taskset_id
@@ -106,6 +118,10 @@ class VerifiersEnvironment(Environment):
         self._examples = {split: self._load(split, env) for split, env in self._envs.items()}
         self._servers: dict[int, tuple[asyncio.Task[None], asyncio.Event, asyncio.Future[None]]] = {}
         self._lock = asyncio.Lock()
+        # Per Rollouts: the in-process endpoint its trajectories' model calls go to, and the
+        # model contexts built for it (_context).
+        self._endpoints: dict[int, Endpoint] = {}
+        self._contexts: dict[tuple, Any] = {}
 
     def _load(self, split: str, env: Any) -> list[Example]:
         # The first `limit` tasks, in the taskset's own (seeded) order: a restarted sampler
@@ -176,18 +192,44 @@ class VerifiersEnvironment(Environment):
         return completion, scored
 
     async def _context(self, rollouts: Rollouts, link: VerifiersLink, sampling: dict[str, Any]) -> Any:
-        vf = self.vf
+        """The rollout's `ModelContext`: one per (rollouts, served model, sampling, link), reused
+        by every trajectory instead of validating three configs again for each (~70 us, and
+        garbage). A frozen dataclass of configs verifiers copies rather than changes, so sharing
+        it is safe; a change of the served model, tokenizer or sampling makes a new one."""
         tokenizer = link.tokenizer or (await rollouts.served_model()).get("root")
+        model = await rollouts.model()
+        endpoint = self._endpoint(rollouts, link) if link.in_process else None
+        key = (id(rollouts), endpoint.id if endpoint else None, tokenizer, model, link.base_url, link.renderer,
+               link.request_timeout, link.api_token, tuple(sorted((k, repr(v)) for k, v in sampling.items())))
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            if len(self._contexts) >= CONTEXTS_KEPT:
+                self._contexts.pop(next(iter(self._contexts)))
+            ctx = self._contexts[key] = self._new_context(link, endpoint, tokenizer, model, sampling)
+        return ctx
+
+    def _new_context(self, link: VerifiersLink, endpoint: Endpoint | None, tokenizer: str | None, model: str,
+                     sampling: dict[str, Any]) -> Any:
+        vf = self.vf
         # The token as a header of the client's own (it overrides the API-key header the OpenAI
-        # SDK writes), not through an environment variable of this process.
-        client = vf.TrainClientConfig(
+        # SDK writes), not through an environment variable of this process. The in-process
+        # client keeps URL and token: verifiers relays a harness's GET /v1/models there.
+        fields = dict(
             base_url=f"{link.base_url}/v1", api_key_var="TANDEM_SAMPLER_TOKEN", renderer=renderer_config(link.renderer),
             renderer_model_name=tokenizer, timeout={"read": link.request_timeout + 60},
             headers=bearer_headers(link.api_token))
+        client = (self._local.LocalTrainClientConfig(in_process=endpoint.id, **fields) if endpoint
+                  else vf.TrainClientConfig(**fields))
         return vf.ModelContext(
-            model=await rollouts.model(), client=client,
+            model=model, client=client,
             sampling=vf.SamplingConfig(max_tokens=sampling.get("max_tokens"),
                                        **{k: sampling[k] for k in CONTRACT if sampling.get(k) is not None}))
+
+    def _endpoint(self, rollouts: Rollouts, link: VerifiersLink) -> Endpoint:
+        endpoint = self._endpoints.get(id(rollouts))
+        if endpoint is None or endpoint.rollouts is not rollouts or endpoint.sessions is not link.sessions:
+            endpoint = self._endpoints[id(rollouts)] = self._local.Endpoint(rollouts, link.sessions)
+        return endpoint
 
     # --- the env's shared resources (tool servers, interception), held for the sampler's life
 
