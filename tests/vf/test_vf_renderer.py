@@ -83,3 +83,40 @@ def test_tool_calls_are_read_in_the_hermes_format_and_turns_stop_at_im_end(token
                                      tools=TOOLS)
     assert broken.tool_calls[0].status.value == "invalid_json"
     assert renderer.parse_response(ids).content == text  # no tools offered: the text as it is
+
+
+def test_cached_renders_are_the_templates_and_the_cache_is_bounded(tokenizer, monkeypatch) -> None:
+    from services.sampler.vf import renderer as module
+
+    renderer = TandemRenderer(tokenizer)
+    conversations = [[{"role": "user", "content": f"count {i}"}] for i in range(6)]
+    for _ in range(2):  # the second round comes from the cache
+        for messages in conversations:
+            for tools in (None, TOOLS):
+                first = renderer.render_ids(messages, tools=tools, add_generation_prompt=True)
+                assert first == template_ids(tokenizer, messages, tools)
+                first.append(-1)  # a caller's list is its own
+                assert renderer.render_ids(messages, tools=tools, add_generation_prompt=True)[-1] != -1
+    assert renderer.render_ids(conversations[0], add_generation_prompt=False) == \
+        template_ids(tokenizer, conversations[0], generation_prompt=False)
+    # Bounded by the ids it holds: the oldest go first, and what is evicted renders again the same.
+    one = len(template_ids(tokenizer, conversations[0]))
+    monkeypatch.setattr(module, "CACHED_TOKENS", 3 * one)
+    small = TandemRenderer(tokenizer)
+    for messages in conversations:
+        small.render_ids(messages, add_generation_prompt=True)
+    assert len(small._rendered_ids) <= 3 and small._rendered_tokens <= 3 * one + 3
+    assert small.render_ids(conversations[0], add_generation_prompt=True) == template_ids(tokenizer, conversations[0])
+
+
+def test_a_template_that_reads_the_clock_is_rendered_each_time(tokenizer) -> None:
+    class Clocked:
+        chat_template = "{{ strftime_now('%d %b %Y') }}"
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    renderer = TandemRenderer(Clocked())
+    messages = [{"role": "user", "content": "hi"}]
+    assert renderer.render_ids(messages, add_generation_prompt=True) == template_ids(tokenizer, messages)
+    assert not renderer._rendered_ids

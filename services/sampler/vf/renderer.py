@@ -24,6 +24,8 @@ and `vllm serve --tool-call-parser hermes` read them.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from renderers.base import ParsedResponse, ParsedToolCall, RenderedTokens, ToolCallParseStatus
@@ -54,6 +56,11 @@ def _wire(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": fixed}
 
 
+# Token ids of rendered conversations kept (_chat): a group's n episodes render the same
+# prompt, and a bridge renders the env's same few replies ("again") every turn.
+CACHED_TOKENS = 262_144
+
+
 class TandemRenderer:
     config_class = TandemRendererConfig
 
@@ -61,6 +68,13 @@ class TandemRenderer:
         self._tokenizer = tokenizer
         self.config = config or TandemRendererConfig()
         self._fixed: dict[str, tuple[list[int], list[int]]] = {}  # tools -> (base, closing)
+        # (messages, tools, generation prompt) as JSON -> their ids; oldest first. Locked: verifiers
+        # renders on worker threads, and reads stop ids (_fixed_parts) on the event loop.
+        self._rendered_ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._rendered_tokens = 0
+        self._cache_lock = threading.Lock()
+        # A template that reads the clock (Llama 3's `strftime_now` date line) renders anew each time.
+        self._cacheable = "strftime" not in str(getattr(tokenizer, "chat_template", None) or "")
 
     # --- what the protocol asks -----------------------------------------------------------
 
@@ -144,11 +158,37 @@ class TandemRenderer:
 
     def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
               generation_prompt: bool) -> list[int]:
+        """`messages` rendered, from the cache when rendered before: rendering is a pure function
+        of the messages, tools and flag (one tokenizer and template per renderer), and the chat
+        template and tokenizer are most of a verifiers turn's rendering cost."""
+        wired = [_wire(m) for m in messages]
+        if not self._cacheable:
+            return self._render_text(wired, tools, generation_prompt)
+        try:
+            key = json.dumps([wired, tools, generation_prompt], sort_keys=True)
+        except (TypeError, ValueError):
+            return self._render_text(wired, tools, generation_prompt)  # not JSON: rendered each time
+        with self._cache_lock:
+            ids = self._rendered_ids.get(key)
+            if ids is not None:
+                self._rendered_ids.move_to_end(key)
+                return list(ids)
+        ids = self._render_text(wired, tools, generation_prompt)
+        with self._cache_lock:
+            if key not in self._rendered_ids:
+                self._rendered_ids[key] = ids
+                self._rendered_tokens += len(ids)
+                while self._rendered_tokens > CACHED_TOKENS and len(self._rendered_ids) > 1:
+                    self._rendered_tokens -= len(self._rendered_ids.popitem(last=False)[1])
+        return list(ids)
+
+    def _render_text(self, wired: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     generation_prompt: bool) -> list[int]:
         # As vLLM's and the CPU server's /tokenize render `messages`: text first, then ids
         # without an extra BOS (the template writes every special token itself).
         kwargs = {"tools": tools} if tools else {}
-        text = self._tokenizer.apply_chat_template([_wire(m) for m in messages], tokenize=False,
-                                                   add_generation_prompt=generation_prompt, **kwargs)
+        text = self._tokenizer.apply_chat_template(wired, tokenize=False, add_generation_prompt=generation_prompt,
+                                                   **kwargs)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def _fixed_parts(self, tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
