@@ -21,15 +21,17 @@ turn fails in vf/traces.py and is retried, which would mix retries into the numb
   gives the cost of one more turn.
 
 A verifiers model turn, all inside the sampler process: the tandem-chat harness
-(services/sampler/vf/harness.py: a new httpx client per launch, and verifiers relaunches it
-for every user turn) POSTs /chat/completions to verifiers' interception server (aiohttp),
-which records the turn in the trace graph and has its TrainClient render the messages with
-services/sampler/vf/renderer.py in a worker thread and POST the token ids to the sampler's own
-POST /inference/v1/generate (FastAPI) through the openai SDK's httpx client; the route
-forwards them to the stand-in through the inference pool. Three HTTP round trips per turn,
-two with both ends in the sampler, against one (the pool's request to the server) for a
-native turn; and per episode, verifiers' runtime (`subprocess`: a scratch directory per
-rollout), trace and scoring.
+(services/sampler/vf/harness.py: one aiohttp session per event loop) POSTs /chat/completions
+to verifiers' interception server (aiohttp), which records the turn in the trace graph and
+has its TrainClient render the messages with services/sampler/vf/renderer.py in a worker
+thread and hand the token ids to the sampler's generate code: in-process by default
+(vf_client = in_process, vf/local_client.py), else through the openai SDK's httpx client to
+the sampler's own POST /inference/v1/generate (FastAPI); that code forwards them to the
+stand-in through the inference pool. Two HTTP round trips per turn (one with both ends in the
+sampler) against one (the pool's request to the server) for a native turn; and per episode,
+verifiers' runtime (`subprocess`: a scratch directory per rollout), trace and scoring.
+When bench/results/verifiers.json exists, the new results are also set against it
+(bench/verifiers_compare.py: CPU per turn before and now, and issue 43's 5 ms target).
 
 Measured per config, after a warm-up (native: 3 batches received; verifiers: a batch's worth
 of model turns done, past the tokenizer load and the interception server's start), over
@@ -67,6 +69,7 @@ import httpx
 from bench._common import (
     AUTH, REPO, CLK_TCK, cpu_seconds, host, median, redis_server, sampler_process, standin_process, write_results,
 )
+from bench import verifiers_compare
 from bench.bench_multiturn import _code_state, _main_thread_cpu, _median_range, _run_header
 
 COMMAND = ".venv/bin/python -m bench verifiers  (or make bench ARGS=verifiers)"
@@ -203,14 +206,17 @@ _CATEGORIES = (
      ("AsyncClient.__init__ (httpx/_client.py", "AsyncHTTPConnection._connect (httpcore/")),
     ("TrainClient rendering in worker threads (vf/renderer.py: chat template, tokenizer encode)",
      ("services/sampler/vf/renderer.py", "RendererSlot.run", "tokenizers", "transformers/")),
+    ("inference pool requests to the stand-in (aiohttp client, parsing the answer; verifiers: the generate route's code)",
+     ("services/sampler/vf/generate.py", "services/sampler/routes/generate.py", "services/sampler/inference_pool.py",
+      "services/sampler/completions.py")),
+    ("TrainClient -> the sampler's generate code in-process (vf/local_client.py: no HTTP; answer as JSON bytes)",
+     ("services/sampler/vf/local_client.py",)),
     ("TrainClient -> the sampler's /inference/v1/generate: renderers.client.generate, openai SDK, httpx client",
      ("renderers/client.py", "openai/", "TrainClient.get_response")),
     ("interception server: aiohttp handler, checks, trace graph (handle_request, PendingTurn.commit)",
      ("verifiers/v1/interception/",)),
     ("harness: its POST /chat/completions to the interception server (httpx client, JSON)",
      ("services/sampler/vf/harness.py",)),
-    ("inference pool requests to the stand-in (aiohttp client, parsing the answer; verifiers: the generate route's code)",
-     ("services/sampler/routes/generate.py", "services/sampler/inference_pool.py", "services/sampler/completions.py")),
     ("verifiers episode machinery (Env.run_episode, Rollout, Agent, Interaction, Trace, scoring)", ("verifiers/v1/",)),
     ("httpx/httpcore/anyio outside the above", ("httpx/", "httpcore/", "anyio/")),
     ("aiohttp callbacks outside the request coroutines (client reads, body writes; verifiers: the interception "
@@ -416,6 +422,7 @@ def run(results_dir: Path, *, labels: list[str] | None = None, repeats: int = RE
     started = time.perf_counter()
     load_at_start = round(os.getloadavg()[0], 2)
     code_at_start = _code_state()
+    before = verifiers_compare.previous(results_dir) if labels is None else None  # the results this run replaces
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-verifiers-") as tmp_name:
         tmp = Path(tmp_name)
@@ -489,6 +496,7 @@ def run(results_dir: Path, *, labels: list[str] | None = None, repeats: int = RE
         "code": {**code_at_start, "changed_during_run": {k: v for k, v in code_at_end.items() if k != "head"}
                  != {k: v for k, v in code_at_start.items() if k != "head"}},
         "command": COMMAND,
+        "previous": before,
     }
     write_results(results_dir, "verifiers", result, _markdown(result))
     return result
@@ -557,6 +565,7 @@ def _markdown(r: dict[str, Any]) -> str:
         "(a 128-trajectory batch of 3 turns every "
         f"{s['vf_dialogue3']['sampler_cpu_us_per_trajectory']['median'] * 128 / 1e6:.2f} s of sampler CPU).",
     ]
+    lines += verifiers_compare.markdown(r)
     lines += _where(r)
     for c in setup["configs"]:
         prof = r["runs"][c["label"]]["profile"]
@@ -613,6 +622,7 @@ def _where(r: dict[str, Any]) -> list[str]:
     gc_native = share("garbage collection", of=native["main"]["shares"]) if native and "main" in native else None
     workers = 1 - r["summary"]["vf_dialogue3"]["main_thread_share"]["median"]
     server = share("the sampler's HTTP server")
+    in_process = share("TrainClient -> the sampler's generate code in-process")
     return [
         "",
         "Where a verifiers turn's CPU goes (vf_dialogue3, py-spy on the main thread, below):",
@@ -623,16 +633,18 @@ def _where(r: dict[str, Any]) -> list[str]:
            "each, and new TCP connections; verifiers builds a harness object per episode and relaunches it for "
            "every user turn, so a client cached on the harness lives one episode)"
            if share("harness: building httpx clients") >= 0.01 else "")
-        + "; the TrainClient's POST to the sampler's own "
-        f"/inference/v1/generate through the openai SDK ({share('TrainClient -> '):.0%}, plus "
-        f"{share('httpcore pool scan'):.0%} in httpcore checking every pooled connection for expiry at each request); "
-        f"the sampler's HTTP server stack serving that call ({server:.0%}); "
+        + "; the TrainClient's call of the sampler's own "
+        f"/inference/v1/generate ({share('TrainClient -> '):.0%}: renderers' client and, over HTTP, the openai SDK, "
+        f"plus {share('httpcore pool scan'):.0%} in httpcore's pool scan; in-process, vf/local_client.py: "
+        f"{in_process:.0%} of it); "
+        f"the sampler's HTTP server stack ({server:.0%}); "
         f"the interception server's handler ({share('interception server:'):.0%}) and aiohttp's callbacks "
         f"({share('aiohttp callbacks'):.0%}); the pool's request to the stand-in ({share('inference pool'):.0%}), the "
         "only hop a native turn has.",
         f"* **verifiers' trace graph: {share('pydantic model_construct'):.0%}** in pydantic's "
         "`FieldInfo.get_default`, which calls `inspect.signature` on a default_factory at every "
-        "`model_construct` (PendingTurn.commit -> graph._commit_turn); "
+        "`model_construct` (PendingTurn.commit -> graph._commit_turn; answered once per builtin factory since "
+        "services/sampler/vf/pydantic_defaults.py); "
         f"the rest of verifiers' episode machinery {share('verifiers episode'):.0%}, the subprocess runtime's "
         f"scratch directory per rollout {share('verifiers subprocess runtime'):.0%} (in worker threads, below).",
         f"* **Garbage collection: {share('garbage collection'):.0%}**"
