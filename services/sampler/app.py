@@ -141,6 +141,7 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
             return rollouts if env_name in (None, "", settings.env) else make_rollouts(load_environment(env_name))
 
         weight_sync = WeightSync(pool, store, resume_deadline=settings.resume_deadline,
+                                 step_timeout=settings.sync_step_timeout, reload_timeout=settings.reload_timeout,
                                  adapter_name=settings.adapter_name)
         drill = drills.from_env(os.environ)  # inert unless a restart drill set TANDEM_DRILL_PAUSE
         curriculum = None

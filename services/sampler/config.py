@@ -118,6 +118,15 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     resume_deadline: float = Field(
         default=15.0, gt=0, description="seconds a weight sync retries /resume before handing it to a background retrier"
     )
+    sync_step_timeout: float = Field(
+        default=30.0, gt=0,
+        description="seconds each quick step of a weight sync may take on a live server: pause, label, prefix-cache "
+                    "reset, resume, probe (a server that stops answering is cut off sooner, after "
+                    "server_check_timeout)")
+    reload_timeout: float = Field(
+        default=600.0, gt=0,
+        description="seconds a weight sync's reload (reading the checkpoint into the server) may take: a big model "
+                    "from a slow disk takes minutes")
     generation_deadline: float = Field(
         default=300.0, gt=0,
         description="seconds a batch may be stuck (failing builds, no new-enough server) before GET /batch answers 503 with the cause",

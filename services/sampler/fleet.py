@@ -20,6 +20,11 @@ synced to. What the label says decides:
   /status, the dashboard and, after `generation_deadline`, `GET /batch`'s 503 say why.
 * no answer: "down" until it answers again.
 
+Liveness is judged apart from the work a server does (liveness.py): a server that is
+generating, syncing or being re-synced is still asked `GET /is_paused` at every check, and one
+that does not answer within `server_check_timeout` leaves rotation whatever it was doing, its
+requests retried elsewhere and its sync abandoned; it is re-synced when it answers again.
+
 One replica re-syncs a given server at a time (a Redis lease); the others adopt its label.
 """
 
@@ -33,6 +38,7 @@ from typing import Any
 from services.sampler.inference_pool import (
     DOWN, JOINING, LEAVING, MISMATCH, OK, RESYNCING, STALE, InferencePool, Server,
 )
+from services.sampler.liveness import Liveness
 from services.sampler.notify import Notifier
 from services.sampler.redis_link import is_outage
 from shared.aio import wait_event
@@ -82,7 +88,9 @@ class Fleet:
         self._suspects: set[str] = set()
         self._joining: set[str] = set()  # urls a POST /inference_servers of ours is bringing up
         self._work: dict[str, asyncio.Task] = {}  # url -> its re-sync or leave in progress
+        self.liveness = Liveness(pool, sync, store, timeout=check_timeout)
         pool.on_suspect = self.suspect
+        sync.on_start = lambda server: self.suspect(server, "a weight sync started")  # is it alive?
 
     # --- membership ------------------------------------------------------------------------
 
@@ -254,8 +262,12 @@ class Fleet:
         raw = body.get("weight_version", body) if isinstance(body, dict) else body
         return Label(True, parse_version_label(body), raw)
 
+    def _busy(self, server: Server) -> bool:
+        """Whether a join, leave, re-sync or sync is working on `server` (its label is theirs to read)."""
+        return server.url in self._joining or server.url in self._work or server.state == LEAVING or server.syncing
+
     async def _check(self, server: Server) -> None:
-        if server.url in self._joining or server.url in self._work or server.state == LEAVING or server.syncing:
+        if not await self.liveness.check(server, busy=self._busy(server)) or self._busy(server):
             return
         label = await self._read_label(server)
         if not label.reachable:
@@ -270,6 +282,18 @@ class Fleet:
     async def _reconcile(self, server: Server, label: Label, published: int, checkpoint: str | None,
                          adapter: bool = False) -> None:
         """Decide what a server that answered needs, from its label (see the module doc)."""
+        if server.needs_resync is not None:
+            # A sync to it was abandoned when it stopped answering: whatever its label says, it
+            # may hold half-loaded weights and be paused. The re-sync loads and resumes it.
+            if checkpoint is not None:
+                self._heal(server, f"answering again after {server.needs_resync}")
+                return
+            server.needs_resync = None  # nothing to reload (the trainer pushed the weights): resume it
+            try:
+                await self.sync.resume_once(server)
+            except SyncStepError as exc:
+                log.warning("resuming %s after an abandoned sync failed: %s", server.url, exc)
+                return
         known = server.version
         if not label.supported:
             # It cannot tell us its version: trust the published one, as on first contact.
@@ -378,7 +402,7 @@ class Fleet:
                     self.pool.set_state(server, DOWN, f"not answering: {label.error}")
                     await self.sync.record(server)
                     return
-                if label.version == published and server.state != MISMATCH:
+                if label.version == published and server.state != MISMATCH and server.needs_resync is None:
                     # A publication (ours or another replica's) synced it while we waited.
                     server.version = published
                     server.adapter = self.sync.served_through(published, adapter)
@@ -401,6 +425,8 @@ class Fleet:
                 server.note(f"re-synced to version {published} in {result.seconds:.2f}s "
                             f"({server.resyncs} re-sync{'s' if server.resyncs > 1 else ''} so far)")
                 self.pool.set_state(server, OK)
+            elif result.unreachable and server.state == DOWN:
+                pass  # it stopped answering (liveness.py said why); re-synced when it answers again
             elif not result.mismatch:  # a mismatch is its own state: only a verified sync clears it
                 backoff = min(MAX_HEAL_BACKOFF, 2.0 * 2 ** min(server.resyncs, 5))
                 self._heal_backoff[server.url] = time.monotonic() + backoff

@@ -20,6 +20,9 @@
   (to the server with the fewest outstanding requests, so trajectories balance) and waits
   for its server through a weight sync; it moves only when that server leaves the rotation,
   fails, or serves too old a version. `release` forgets it when the trajectory ends.
+* `abandon(server, why)` cuts the requests in flight to a server that stopped answering (the
+  fleet's liveness check, liveness.py): each fails as a dropped request does and is retried on
+  another server, instead of waiting out `request_timeout` on a frozen process.
 """
 
 from __future__ import annotations
@@ -91,6 +94,11 @@ class Server:
     adapter: str | None = None
     last_probe: ProbeResult | None = None
     probe_failures: int = 0
+    # Times it was found paused with no weight sync holding it (someone else paused it) and resumed.
+    foreign_pauses: int = 0
+    # Set when a sync to it was abandoned (it stopped answering mid-sync): its label may name
+    # weights it never finished loading, so when it answers again it is re-synced whatever it says.
+    needs_resync: str | None = None
     added_at: float = field(default_factory=time.time)
     # (unix time, what happened): joins, leaves, restarts, re-syncs, for /status and the dashboard.
     events: collections.deque[tuple[float, str]] = field(default_factory=lambda: collections.deque(maxlen=EVENTS_KEPT))
@@ -147,6 +155,7 @@ class Server:
             "adapter": self.adapter,
             "probe": self.last_probe.model_dump() if self.last_probe else None,
             "probe_failures": self.probe_failures,
+            "foreign_pauses": self.foreign_pauses,
             "added_at": self.added_at,
             "events": [{"at": at, "event": text} for at, text in self.events],
         }
@@ -195,6 +204,9 @@ class InferencePool:
         # Since when requests have found no usable server (None while they find one).
         self.blocked_since: float | None = None
         self.blocked_version: int | None = None
+        # url -> the HTTP requests in flight to it, each with the reason it was abandoned (None
+        # while it runs), so that `abandon` can cut them short.
+        self._sending: dict[str, dict[asyncio.Future, str | None]] = {}
 
     # --- membership ----------------------------------------------------------------------
 
@@ -344,8 +356,7 @@ class InferencePool:
             server.requests += 1
             dropped = False
             try:
-                response = await self.http.request("POST", server.url + path, json=payload, headers=headers,
-                                                   timeout=self.request_timeout)
+                response = await self._send(server, path, payload, headers)
             except TransportError as exc:
                 error = str(exc)
                 dropped = not error.startswith("TimeoutError")
@@ -386,6 +397,36 @@ class InferencePool:
                 self.stats.retries += 1
                 log.warning("inference request to %s failed (%s); retry %d/%d", server.url, error, attempt + 1, self.retries)
         raise InferenceUnavailable(f"inference request failed after {attempts} attempts: " + "; ".join(failures[-3:]))
+
+    async def _send(self, server: Server, path: str, payload: dict[str, Any],
+                    headers: dict[str, str] | None) -> Reply:
+        """One HTTP request to `server`, in a task of its own so that `abandon` can cancel it
+        without cancelling the trajectory that waits for it."""
+        request = asyncio.ensure_future(self.http.request("POST", server.url + path, json=payload, headers=headers,
+                                                          timeout=self.request_timeout))
+        sending = self._sending.setdefault(server.url, {})
+        sending[request] = None
+        try:
+            return await request
+        except asyncio.CancelledError:
+            why = sending.get(request)
+            task = asyncio.current_task()
+            if why is None or (task is not None and task.cancelling()):
+                raise  # our caller was cancelled, not the request abandoned
+            raise TransportError(f"Abandoned: {why}") from None
+        finally:
+            sending.pop(request, None)
+
+    def abandon(self, server: Server, why: str) -> int:
+        """Cut every request in flight to `server`: each fails as a dropped one does and is
+        retried on another server (a multi-turn trajectory moves to the server it is retried
+        on, as when its server dies). The number cut."""
+        sending = self._sending.get(server.url, {})
+        cut = [request for request, reason in sending.items() if reason is None and not request.done()]
+        for request in cut:
+            sending[request] = why
+            request.cancel()
+        return len(cut)
 
     async def wait_idle(self, server: Server, timeout: float) -> bool:
         """Wait until `server` has no request outstanding, at most `timeout` seconds."""

@@ -20,6 +20,13 @@ as they would on new full weights; the probe then asks for the adapter by name. 
 adapter a server gets is the exception: its requests in flight name the base model and would
 go on computing with it under the new label, so that pause waits for them to finish
 (`mode=wait`) instead of freezing them.
+
+Every step has a bound sized for what it does: `step_timeout` (setting `sync_step_timeout`) for
+the pause, label, cache reset, resume and probe, which are quick on a live server;
+`reload_timeout` for reading the checkpoint (a big model from a slow disk takes minutes); a
+`mode=wait` pause waits for requests in flight, so up to the pool's `request_timeout`. A server
+that stops answering mid-sync is not waited for that long: the fleet's liveness check
+(liveness.py) abandons its sync (`abandon`), which then reports it unreachable.
 """
 
 from __future__ import annotations
@@ -79,13 +86,20 @@ def parse_version_label(body: Any) -> int | None:
 
 
 class WeightSync:
-    def __init__(self, pool: InferencePool, store: Store, *, step_timeout: float = 300.0,
-                 resume_deadline: float = 60.0, adapter_name: str = DEFAULT_ADAPTER_NAME):
+    def __init__(self, pool: InferencePool, store: Store, *, step_timeout: float = 30.0,
+                 reload_timeout: float = 600.0, resume_deadline: float = 60.0,
+                 adapter_name: str = DEFAULT_ADAPTER_NAME):
         self.pool = pool
         self.adapter_name = adapter_name
         self.store = store
         self.step_timeout = step_timeout
+        self.reload_timeout = reload_timeout
         self.resume_deadline = resume_deadline
+        # url -> (the task syncing it, the version); `abandon` cancels it, with the reason kept here.
+        self._running: dict[str, tuple[asyncio.Task, int]] = {}
+        self._abandoned: dict[asyncio.Task, str] = {}
+        # Called with a server whose sync starts (the fleet checks it is alive at once).
+        self.on_start: Callable[[Server], None] | None = None
         self.lock = asyncio.Lock()
         self._syncing: set[asyncio.Task | None] = set()  # tasks now inside sync_server
         self._resuming: set[asyncio.Task] = set()  # the resume at the end of each sync
@@ -93,9 +107,11 @@ class WeightSync:
         # Called with every SyncResult (metrics); must not raise.
         self.on_synced: list[Callable[[SyncResult], None]] = []
 
-    async def _call(self, server: Server, step: str, method: str, path: str, **kwargs: Any) -> Reply:
+    async def _call(self, server: Server, step: str, method: str, path: str, *, timeout: float | None = None,
+                    **kwargs: Any) -> Reply:
         try:
-            response = await self.pool.http.request(method, server.url + path, timeout=self.step_timeout, **kwargs)
+            response = await self.pool.http.request(method, server.url + path, timeout=timeout or self.step_timeout,
+                                                     **kwargs)
         except TransportError as exc:
             raise SyncStepError(step, None, str(exc)) from None
         if response.status_code >= 400:
@@ -119,6 +135,10 @@ class WeightSync:
                     return False
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    async def resume_once(self, server: Server) -> None:
+        """One POST /resume (SyncStepError when it fails): for a server someone else paused."""
+        await self._call(server, "resume", "POST", "/resume")
 
     @staticmethod
     def _track(tasks: set[asyncio.Task], task: asyncio.Task) -> asyncio.Task:
@@ -154,12 +174,56 @@ class WeightSync:
 
     async def sync_server(self, server: Server, version: int, checkpoint_path: str,
                           probe: Probe | None = None, *, adapter: bool = False) -> SyncResult:
-        task = asyncio.current_task()
+        """Sync one server, in a task of its own so that `abandon` can cut it short without
+        cancelling the caller: the result then says the server is unreachable."""
+        started = time.monotonic()
+        task = asyncio.create_task(self._sync_server(server, version, checkpoint_path, probe, adapter),
+                                   name=f"sync-{server.url}")
         self._syncing.add(task)
+        self._running[server.url] = (task, version)
+        if self.on_start is not None:
+            self.on_start(server)
         try:
-            return await self._sync_server(server, version, checkpoint_path, probe, adapter)
+            return await task
+        except asyncio.CancelledError:
+            why = self._abandoned.get(task)
+            current = asyncio.current_task()
+            if why is None or (current is not None and current.cancelling()):
+                raise
+            message = f"abandoned: {why}"
+            server.last_error = f"weight sync to version {version} {message}"
+            server.note(server.last_error)
+            log.error("weight sync of %s to version %d %s", server.url, version, message)
+            return self._report(SyncResult(server.url, False, server.version, time.monotonic() - started, message,
+                                           unreachable=True))
         finally:
             self._syncing.discard(task)
+            self._abandoned.pop(task, None)
+            if self._running.get(server.url, (None,))[0] is task:
+                del self._running[server.url]
+
+    def syncing_version(self, server: Server) -> int | None:
+        """The version a sync of ours is loading into `server` now, or None."""
+        running = self._running.get(server.url)
+        return running[1] if running is not None else None
+
+    def abandon(self, server: Server, why: str) -> bool:
+        """Cut the sync to `server` short (it stopped answering): no resume is sent (it would
+        not get through either), and the server is re-synced when it answers again
+        (`Server.needs_resync`). True when there was one."""
+        running = self._running.get(server.url)
+        if running is None or running[0].done():
+            return False
+        self._abandoned[running[0]] = why
+        server.needs_resync = why
+        running[0].cancel()
+        return True
+
+    def holds_pause(self, server: Server) -> bool:
+        """Whether a sync of ours may be what keeps `server` paused: one in flight, its resume
+        still being retried, or one abandoned (the re-sync due when it answers resumes it)."""
+        return (server.syncing or server.url in self._running or server.needs_resync is not None
+                or any(t.get_name().endswith(server.url) for t in self._resuming | self._background))
 
     async def reload_method(self, server: Server) -> str:
         """The collective_rpc method that reloads weights on `server`, asked without side effects:
@@ -228,11 +292,11 @@ class WeightSync:
         """The reload step proper: the adapter under the run's name, or full weights."""
         if not adapter:
             method = await self.reload_method(server)
-            await self._call(server, "reload_weights", "POST", "/collective_rpc",
+            await self._call(server, "reload_weights", "POST", "/collective_rpc", timeout=self.reload_timeout,
                              json={"method": method, "kwargs": {"weights_path": checkpoint_path}})
             return
         try:
-            await self._call(server, "load_lora_adapter", "POST", LOAD_PATH,
+            await self._call(server, "load_lora_adapter", "POST", LOAD_PATH, timeout=self.reload_timeout,
                              json=load_request(self.adapter_name, checkpoint_path))
         except SyncStepError as exc:
             # The route itself is missing (FastAPI's bare 404/405), not "no adapter at that path".
@@ -257,9 +321,13 @@ class WeightSync:
         pause_mode = "wait" if adapter and server.adapter is None else "keep"
         try:
             try:
+                await self.record(server)  # says until when it is ours to pause (liveness.py, other replicas)
                 if not adapter:
                     await self.check_delta(server, checkpoint_path)  # before pausing it for nothing
-                await self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode})
+                # A "wait" pause lasts until the requests in flight finish: each is bounded by request_timeout.
+                await self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode},
+                                 timeout=max(self.step_timeout, self.pool.request_timeout) if pause_mode == "wait"
+                                 else self.step_timeout)
                 paused = True
                 await self._load(server, checkpoint_path, adapter)
                 await self._label_and_reset(server, version)
@@ -274,10 +342,13 @@ class WeightSync:
             finally:
                 # Even when pause itself failed, the server may have paused: resume regardless,
                 # in a task of its own, so a cancelled sync (a request cut off by shutdown) still
-                # resumes, and shutdown() can wait for it.
-                resuming = self._track(self._resuming, asyncio.create_task(self.resume(server),
-                                                                           name=f"resume-after-sync-{server.url}"))
-                resumed = await asyncio.shield(resuming)
+                # resumes, and shutdown() can wait for it. Not a sync abandoned because the server
+                # stopped answering: its re-sync resumes it once it answers.
+                resumed = False
+                if asyncio.current_task() not in self._abandoned:
+                    resuming = self._track(self._resuming, asyncio.create_task(
+                        self.resume(server), name=f"resume-after-sync-{server.url}"))
+                    resumed = await asyncio.shield(resuming)
             if probing is not None and resumed:
                 checked = server.last_probe = await probing
         finally:
@@ -288,6 +359,7 @@ class WeightSync:
         if error is None and resumed and (checked is None or checked.ok):
             server.last_sync_seconds = seconds
             server.last_error = None
+            server.needs_resync = None
             server.note(f"synced to version {version} in {seconds:.2f}s"
                         + (f", probe max diff {checked.max_abs_diff:.2g}" if checked else ""))
             server.adapter = self.served_through(version, adapter)
@@ -370,10 +442,16 @@ class WeightSync:
 
         await asyncio.gather(*(relabel(s) for s in self.pool.servers if s.state == OK))
 
+    def sync_budget(self) -> float:
+        """Seconds a sync can hold a server paused at most: its pause, reload, label and resume."""
+        return self.reload_timeout + 3 * self.step_timeout + self.resume_deadline
+
     async def record(self, server: Server) -> None:
-        """What a server serves, as Redis keeps it for other replicas and restarts."""
+        """What a server serves, as Redis keeps it for other replicas and restarts; while a sync
+        of ours holds it paused, until when (another replica's liveness check leaves it paused)."""
         await self.store.set_server(server.url, {
             "version": server.version, "state": server.state, "reason": server.reason,
             "error": server.last_error, "last_sync_seconds": server.last_sync_seconds,
             "updated_at": time.time(),
+            "syncing_until": time.time() + self.sync_budget() if server.syncing else None,
         })

@@ -48,8 +48,10 @@ def test_5xx_hanging_and_dead_servers_fail_over_stall_and_recover(tmp_path: Path
         cleanup.add(server.stop)
     dying = start_standin_process(tmp_path, cleanup)
     httpx.post(f"{failing.url}/_standin/fail", params={"count": 10**9})
-    httpx.post(f"{hanging.url}/pause")  # accepts requests, never finishes them
-    cleanup.add(lambda: httpx.post(f"{hanging.url}/resume"))
+    # Accepts requests, never finishes them, and says it is running (a paused server would be
+    # resumed by the sampler: services/sampler/liveness.py).
+    httpx.post(f"{hanging.url}/_standin/configure", json={"hung": True})
+    cleanup.add(lambda: httpx.post(f"{hanging.url}/_standin/configure", json={"hung": False}))
     run_dir = tmp_path / "sampler"
     cleanup.add(lambda: kill_embedded_redis(run_dir))
     urls = [failing.url, hanging.url, dying.url, healthy.url]

@@ -100,6 +100,9 @@ class _StateCollector(Collector):
         probe_failures = CounterMetricFamily("tandem_sampler_probe_failures",
                                              "syncs whose probe showed the server does not compute the trainer's "
                                              "logprobs", labels=["server"])
+        foreign_pauses = CounterMetricFamily("tandem_sampler_server_foreign_pauses",
+                                             "times a server was found paused with no weight sync holding it "
+                                             "(someone else paused it) and resumed", labels=["server"])
         outstanding = GaugeMetricFamily("tandem_sampler_server_outstanding", "requests outstanding per server",
                                         labels=["server"])
         for server in pool.servers:
@@ -112,9 +115,11 @@ class _StateCollector(Collector):
                 states.add_metric([server.url, name], 1 if server.state == name else 0)
             resyncs.add_metric([server.url], server.resyncs)
             probe_failures.add_metric([server.url], server.probe_failures)
+            foreign_pauses.add_metric([server.url], server.foreign_pauses)
             if server.last_probe is not None and server.last_probe.max_abs_diff is not None:
                 probe_diff.add_metric([server.url], server.last_probe.max_abs_diff)
-        yield from (requests, failures, version, healthy, outstanding, states, resyncs, probe_diff, probe_failures)
+        yield from (requests, failures, version, healthy, outstanding, states, resyncs, probe_diff, probe_failures,
+                    foreign_pauses)
         nonfinite = rollouts.nonfinite
         rewards = CounterMetricFamily("tandem_sampler_nonfinite_rewards",
                                       "completions whose reward or a reward part was NaN or infinite (train: their "
