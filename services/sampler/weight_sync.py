@@ -194,6 +194,7 @@ class WeightSync:
             server.last_error = f"weight sync to version {version} {message}"
             server.note(server.last_error)
             log.error("weight sync of %s to version %d %s", server.url, version, message)
+            await self.record(server)  # no sync holds it now (its record said until when one might)
             return self._report(SyncResult(server.url, False, server.version, time.monotonic() - started, message,
                                            unreachable=True))
         finally:

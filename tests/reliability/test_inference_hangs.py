@@ -3,7 +3,8 @@ SIGSTOP (its sockets accept connections, nothing answers) and a server paused by
 
 The sampler judges liveness apart from the work a server does (services/sampler/liveness.py):
 a frozen server leaves rotation within `server_check_timeout` whatever it was doing, the
-requests in flight to it are re-run on another server, a publication answers with the servers
+requests in flight to it are re-run on another server (a conversation moves with its next
+turn), a publication answers with the servers
 that answered, and the frozen one is re-synced when it is thawed. A server paused by someone
 else is resumed, and the event is logged and counted.
 """
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from tests.reliability.support import Cleanup, start_standin_process, wait_for
+from tests.support.driver import hold_second_turns
 
 CHECK_TIMEOUT = 2.0  # server_check_timeout of these samplers
 MARGIN = 3.0  # what a loaded machine may add to it
@@ -105,6 +107,26 @@ def test_requests_in_flight_to_a_frozen_server_are_rerun_elsewhere(tmp_path: Pat
     assert frozen["state"] == "down", frozen
     assert frozen["reason"].startswith(f"no answer to GET /is_paused for {CHECK_TIMEOUT:g} s while generating ("), frozen
     assert httpx.get(f"{b.url}/_standin/stats").json()["requests"] >= 3  # its own two and A's
+
+
+@pytest.mark.timeout(120)
+def test_conversations_on_a_frozen_server_move_to_another(tmp_path: Path, make_sampler, cleanup: Cleanup) -> None:
+    a = start_standin_process(tmp_path, cleanup, token_latency=0.002)
+    b = start_standin_process(tmp_path, cleanup, token_latency=0.002)
+    hold_second_turns(a.url)  # conversations that began on A wait there in their second turn
+    sampler = _sampler(make_sampler, [a.url, b.url], env="tests.support.envs:EchoDialogue",
+                       env_args='{"max_turns": 3}', max_tokens=4)
+    wait_for(lambda: httpx.get(f"{a.url}/_standin/stats").json()["held"] > 0, 20, "a conversation held on A")
+    began = set(httpx.get(f"{a.url}/_standin/stats").json()["sessions"])
+    _freeze(a, cleanup)
+    started = time.monotonic()
+    batch = httpx.get(f"{sampler.url}/batch", params={"step": 0, "timeout": 60}, timeout=70)
+    took = time.monotonic() - started
+    assert batch.status_code == 200 and len(batch.json()["samples"]) == 8
+    assert took < CHECK_TIMEOUT + MARGIN, f"the batch took {took:.1f}s"
+    moved = began & set(httpx.get(f"{b.url}/_standin/stats").json()["sessions"])
+    assert moved, "no conversation that began on the frozen server finished on the other"
+    assert _servers(sampler.url)[a.url]["state"] == "down"
 
 
 @pytest.mark.timeout(60)
