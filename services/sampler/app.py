@@ -156,7 +156,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
                             replay_pool=ReplayPool(redis, keys), env_name=env.name, link=link, drill=drill,
                             claim_ttl=settings.claim_ttl, chunk_bytes=settings.batch_chunk_bytes)
         fleet = Fleet(pool, store, weight_sync, notifier, initial_urls=settings.inference_urls, owner=producer.owner,
-                      check_interval=settings.server_check_interval, check_timeout=settings.server_check_timeout)
+                      check_interval=settings.server_check_interval, check_timeout=settings.server_check_timeout,
+                      paused_grace=settings.paused_grace)
         # A restarted Redis may have lost the last writes it acknowledged: write back what this
         # process holds (batches it sealed, the version it published, the membership) first.
         link.on_restart += [producer.after_redis_restart, fleet.restore_members]

@@ -137,6 +137,11 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     server_check_timeout: float = Field(
         default=10.0, gt=0, description="seconds an inference server has to answer a health check"
     )
+    paused_grace: float = Field(
+        default=60.0, ge=0,
+        description="seconds an inference server may stay paused with no weight sync of this run holding it (a "
+                    "trainer pushing its weights itself, an operator) before the sampler takes it out of rotation "
+                    "and resumes it")
     claim_ttl: float = Field(default=10.0, gt=0, description="lease on a step being built; a replica takes over after it lapses")
     drain_deadline: float = Field(default=20.0, ge=0, description="seconds a shutdown waits for batches in flight to seal")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="larger request bodies are answered 413")

@@ -74,7 +74,7 @@ class Label:
 class Fleet:
     def __init__(self, pool: InferencePool, store: Store, sync: WeightSync, notifier: Notifier, *,
                  initial_urls: list[str], owner: str, check_interval: float = 2.0,
-                 check_timeout: float = 10.0):
+                 check_timeout: float = 10.0, paused_grace: float = 60.0):
         self.pool = pool
         self.store = store
         self.sync = sync
@@ -88,7 +88,7 @@ class Fleet:
         self._suspects: set[str] = set()
         self._joining: set[str] = set()  # urls a POST /inference_servers of ours is bringing up
         self._work: dict[str, asyncio.Task] = {}  # url -> its re-sync or leave in progress
-        self.liveness = Liveness(pool, sync, store, timeout=check_timeout)
+        self.liveness = Liveness(pool, sync, store, timeout=check_timeout, paused_grace=paused_grace)
         pool.on_suspect = self.suspect
         sync.on_start = lambda server: self.suspect(server, "a weight sync started")  # is it alive?
 
@@ -225,25 +225,45 @@ class Fleet:
             self.notifier.notify()
 
     async def run(self) -> None:
-        """Check every server every `check_interval` seconds, suspects at once."""
-        while True:
-            changed = self.notifier.changed()
-            await self._refresh()
-            now = time.monotonic()
-            due = [s for s in self.pool.servers
-                   if s.url in self._suspects or now >= self._next_check.get(s.url, 0.0)]
-            self._suspects.clear()
-            for server in due:
-                self._next_check[server.url] = now + self.check_interval
-            if due:
-                results = await asyncio.gather(*(self._check(s) for s in due), return_exceptions=True)
-                for server, result in zip(due, results):
-                    if isinstance(result, Exception):
-                        if is_outage(result):
-                            raise result  # the supervisor waits for Redis, then starts this loop again
-                        log.warning("checking %s failed: %r", server.url, result)
-            wake = min(self._next_check.values(), default=now + self.check_interval)
-            await wait_event(changed, max(wake - time.monotonic(), 0.01))
+        """Check every server every `check_interval` seconds, suspects at once. Each check runs
+        as a task of its own: a server that does not answer holds up its own next check for
+        up to `check_timeout`, never another server's."""
+        checking: dict[str, asyncio.Task] = {}
+        failed: list[BaseException] = []  # a Redis outage seen by a check: the loop raises it
+        try:
+            while True:
+                changed = self.notifier.changed()
+                if failed:
+                    raise failed[0]  # the supervisor waits for Redis, then starts this loop again
+                await self._refresh()
+                now = time.monotonic()
+                for server in self.pool.servers:
+                    url = server.url
+                    if url in checking or not (url in self._suspects or now >= self._next_check.get(url, 0.0)):
+                        continue  # a suspect whose check is still running is checked again after it
+                    self._suspects.discard(url)
+                    self._next_check[url] = now + self.check_interval
+                    task = checking[url] = asyncio.create_task(self._check(server), name=f"check {url}")
+                    task.add_done_callback(lambda t, url=url: self._checked(url, t, checking, failed))
+                waits = [self._next_check.get(s.url, 0.0) for s in self.pool.servers if s.url not in checking]
+                wake = min(waits, default=now + self.check_interval)
+                await wait_event(changed, max(wake - time.monotonic(), 0.01))
+        finally:
+            for task in checking.values():
+                task.cancel()
+
+    def _checked(self, url: str, task: asyncio.Task, checking: dict[str, asyncio.Task],
+                 failed: list[BaseException]) -> None:
+        if checking.get(url) is task:
+            del checking[url]
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        if is_outage(exc):
+            failed.append(exc)
+            self.notifier.notify()
+        else:
+            log.warning("checking %s failed: %r", url, exc)
 
     async def _read_label(self, server: Server) -> Label:
         try:

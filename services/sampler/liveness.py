@@ -10,9 +10,11 @@ the route (vLLM outside dev mode) is asked `GET /health` instead. What the answe
   naming what it was doing), the requests in flight to it are cut and retried on other servers
   (InferencePool.abandon), and a sync to it is abandoned (WeightSync.abandon), so a publication
   answers with the servers that did answer. When it answers again the fleet re-syncs it.
-* an answer saying it is paused while no sync holds it (someone else paused it: it answers but
-  does no work): out of rotation, resumed, logged and counted (`foreign_pauses`). A sync of
-  another sampler replica holds it too: its record in Redis says until when (WeightSync.record).
+* an answer saying it is paused while no sync holds it, for `paused_grace` seconds in a row
+  (someone else paused it: it answers but does no work): out of rotation, resumed, logged and
+  counted (`foreign_pauses`). A sync of another sampler replica holds it too: its record in
+  Redis says until when (WeightSync.record). The grace leaves alone a trainer that pauses the
+  servers to push its weights itself, and an operator's short pause.
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ class Pulse:
 
 
 class Liveness:
-    def __init__(self, pool: InferencePool, sync: WeightSync, store: Store, *, timeout: float):
+    def __init__(self, pool: InferencePool, sync: WeightSync, store: Store, *, timeout: float,
+                 paused_grace: float = 60.0):
         self.pool = pool
         self.sync = sync
         self.store = store
         self.timeout = timeout
+        self.paused_grace = paused_grace
+        self._paused_since: dict[str, float] = {}  # url -> when it was first found paused by someone else
         self._without_is_paused: set[str] = set()  # servers that answered /is_paused 404: /health for them
 
     async def pulse(self, server: Server) -> Pulse:
@@ -74,9 +79,15 @@ class Liveness:
         if not pulse.answered:
             await self.lose(server, pulse.error or "no answer", keep_state=busy and server.state == JOINING)
             return False
-        if pulse.paused and not busy and not self.sync.holds_pause(server) and not await self._held_elsewhere(server):
-            return await self._resume_foreign(server)
-        return True
+        if not (pulse.paused and not busy and not self.sync.holds_pause(server)
+                and not await self._held_elsewhere(server)):
+            self._paused_since.pop(server.url, None)
+            return True
+        since = self._paused_since.setdefault(server.url, time.monotonic())
+        if time.monotonic() - since < self.paused_grace:
+            return True  # perhaps a trainer pushing its weights: left alone, and in rotation, for now
+        del self._paused_since[server.url]
+        return await self._resume_foreign(server)
 
     def doing(self, server: Server) -> str:
         """What `server` was doing, in words (for the reason it left rotation)."""
@@ -112,7 +123,7 @@ class Liveness:
         """Someone else paused `server`: no work gets done there. Take it out of rotation and
         resume it; True when it is resumed (the label check then puts it back)."""
         server.foreign_pauses += 1
-        why = "paused (GET /is_paused) with no weight sync of this run holding it"
+        why = f"paused (GET /is_paused) for {self.paused_grace:g} s or more with no weight sync of this run holding it"
         log.warning("inference server %s is %s: resuming it (%d time(s) so far)", server.url, why,
                     server.foreign_pauses)
         if server.state == OK:

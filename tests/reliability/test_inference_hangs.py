@@ -131,16 +131,19 @@ def test_conversations_on_a_frozen_server_move_to_another(tmp_path: Path, make_s
 
 @pytest.mark.timeout(60)
 def test_a_server_paused_by_someone_else_is_resumed_logged_and_counted(make_sampler, standin, caplog) -> None:
-    sampler = make_sampler(server_check_interval=0.3, max_staleness=0)
+    sampler = make_sampler(server_check_interval=0.3, max_staleness=0, paused_grace=1.0)
     with httpx.Client(base_url=sampler.url, timeout=30) as http, caplog.at_level(logging.WARNING):
         assert http.get("/batch", params={"step": 0, "timeout": 20}).status_code == 200
         assert http.post("/weights_version", json={"version": 1, "checkpoint_path": "/ckpt/1"}).status_code == 200
         assert _servers(sampler.url)[standin.url]["foreign_pauses"] == 0  # its own sync paused it: not counted
         httpx.post(f"{standin.url}/pause")  # an operator, or another tool, pauses it
+        paused_at = time.monotonic()
         server = wait_for(lambda: (s := _servers(sampler.url)[standin.url])["foreign_pauses"] >= 1
                           and s["state"] == "ok" and s, 10, "the sampler to resume the paused server")
+        assert time.monotonic() - paused_at >= 1.0  # not before paused_grace
         assert not httpx.get(f"{standin.url}/_standin/stats").json()["paused"]
         assert any("resumed: it was paused" in e["event"] for e in server["events"]), server["events"]
-        assert any("paused (GET /is_paused) with no weight sync" in r.getMessage() for r in caplog.records)
+        assert any("paused (GET /is_paused) for 1 s or more with no weight sync" in r.getMessage()
+                   for r in caplog.records)
         assert "tandem_sampler_server_foreign_pauses_total" in http.get("/metrics").text
         assert http.get("/batch", params={"step": 1, "timeout": 20}).status_code == 200
