@@ -111,7 +111,8 @@ class Liveness:
             return  # already out of rotation, nothing of ours waiting on it: nothing new to say
         log.warning("inference server %s: %s; %s%d request(s) in flight moved to other servers", server.url, why,
                     "its weight sync abandoned, " if abandoned else "", cut)
-        await self.sync.record(server)
+        if self.pool.find(server.url) is server:  # a server that left the run has no record to keep
+            await self.sync.record(server)
 
     async def _held_elsewhere(self, server: Server) -> bool:
         """Whether another sampler replica's sync holds `server` paused (its record says so)."""
