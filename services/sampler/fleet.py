@@ -41,7 +41,7 @@ from services.sampler.inference_pool import (
 from services.sampler.liveness import Liveness
 from services.sampler.notify import Notifier
 from services.sampler.redis_link import is_outage
-from shared.aio import wait_event
+from shared.aio import wait_any
 from services.sampler.store import Store
 from services.sampler.weight_sync import SyncStepError, WeightSync, parse_version_label
 from shared.http_client import TransportError
@@ -58,6 +58,9 @@ class JoinRefused(Exception):
     def __init__(self, status: int, message: str):
         self.status = status
         super().__init__(message)
+
+
+DOWN_RECHECK_S = 0.25
 
 
 class Label:
@@ -84,6 +87,7 @@ class Fleet:
         self.check_interval = check_interval
         self.check_timeout = check_timeout
         self._next_check: dict[str, float] = {}
+        self._check_done = asyncio.Event()  # wakes the loop to schedule that server's next check
         self._heal_backoff: dict[str, float] = {}
         self._suspects: set[str] = set()
         self._joining: set[str] = set()  # urls a POST /inference_servers of ours is bringing up
@@ -233,6 +237,7 @@ class Fleet:
         try:
             while True:
                 changed = self.notifier.changed()
+                self._check_done.clear()  # taken first, as `changed`: a check ending from here on wakes the wait
                 if failed:
                     raise failed[0]  # the supervisor waits for Redis, then starts this loop again
                 await self._refresh()
@@ -242,12 +247,12 @@ class Fleet:
                     if url in checking or not (url in self._suspects or now >= self._next_check.get(url, 0.0)):
                         continue  # a suspect whose check is still running is checked again after it
                     self._suspects.discard(url)
-                    self._next_check[url] = now + self.check_interval
+                    self._next_check[url] = now + self.check_interval  # sooner if it is found down (_checked)
                     task = checking[url] = asyncio.create_task(self._check(server), name=f"check {url}")
                     task.add_done_callback(lambda t, url=url: self._checked(url, t, checking, failed))
                 waits = [self._next_check.get(s.url, 0.0) for s in self.pool.servers if s.url not in checking]
                 wake = min(waits, default=now + self.check_interval)
-                await wait_event(changed, max(wake - time.monotonic(), 0.01))
+                await wait_any([changed, self._check_done], max(wake - time.monotonic(), 0.01))
         finally:
             for task in checking.values():
                 task.cancel()
@@ -256,6 +261,14 @@ class Fleet:
                  failed: list[BaseException]) -> None:
         if checking.get(url) is task:
             del checking[url]
+        server = self.pool.find(url)
+        if server is not None and server.state == DOWN:
+            # Asked again in DOWN_RECHECK_S, not check_interval: a server starting beside the
+            # sampler (the demo, compose) goes into rotation within a quarter of a second of
+            # answering. Cheap: a refused connection costs a millisecond, and a server that
+            # accepts and does not answer holds its own next check back for check_timeout.
+            self._next_check[url] = min(self._next_check.get(url, 0.0), time.monotonic() + DOWN_RECHECK_S)
+        self._check_done.set()
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()

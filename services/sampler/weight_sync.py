@@ -71,6 +71,16 @@ class SyncResult:
     probe: ProbeResult | None = None
 
 
+async def gather_first_error(*calls: Any) -> list[Any]:
+    """Run `calls` together, each to its end (none is left running, none cut short by
+    another's failure), then raise the first one's error, if any."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
 def parse_version_label(body: Any) -> int | None:
     """An integer version out of /weight_info's answer, or None when unlabelled."""
     if isinstance(body, dict):
@@ -322,13 +332,18 @@ class WeightSync:
         pause_mode = "wait" if adapter and server.adapter is None else "keep"
         try:
             try:
-                await self.record(server)  # says until when it is ours to pause (liveness.py, other replicas)
                 if not adapter:
                     await self.check_delta(server, checkpoint_path)  # before pausing it for nothing
+                # The record says until when the pause is ours (liveness.py, other replicas). Written
+                # beside the pause, not before it: another replica resumes a pause only after
+                # paused_grace without such a record, and an fsynced write on every version's
+                # path costs what the demo's whole step can spare.
                 # A "wait" pause lasts until the requests in flight finish: each is bounded by request_timeout.
-                await self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode},
-                                 timeout=max(self.step_timeout, self.pool.request_timeout) if pause_mode == "wait"
-                                 else self.step_timeout)
+                await gather_first_error(
+                    self.record(server),
+                    self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode},
+                               timeout=max(self.step_timeout, self.pool.request_timeout) if pause_mode == "wait"
+                               else self.step_timeout))
                 paused = True
                 await self._load(server, checkpoint_path, adapter)
                 await self._label_and_reset(server, version)
@@ -397,14 +412,10 @@ class WeightSync:
     async def _label_and_reset(self, server: Server, version: int) -> None:
         """The new version's label and an empty prefix cache, asked together: neither depends on
         the other, and both come after the load (a label never names weights not yet loaded)."""
-        replies = await asyncio.gather(
+        await gather_first_error(
             self._call(server, "update_weight_version", "POST", "/update_weight_version",
                        json={"new_version": str(version)}),
-            self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache"),
-            return_exceptions=True)
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                raise reply
+            self._call(server, "reset_prefix_cache", "POST", "/reset_prefix_cache"))
 
     def _report(self, result: SyncResult) -> SyncResult:
         for hook in self.on_synced:

@@ -25,7 +25,7 @@ from tests.reliability.support import (
     stop_process,
     wait_for,
 )
-from tests.support.servers import start_sampler_process, start_standin
+from tests.support.servers import free_port, start_sampler_process, start_standin
 
 TOKEN = "membership-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -162,3 +162,24 @@ def test_servers_leave_under_load_and_nothing_is_lost(tmp_path: Path, cleanup: C
     assert _requests(leaving) == after_leave, "a removed server got new work"
     assert set(_members(url)) == {steady.url}
     assert httpx.get(f"{url}/status", timeout=10, headers=AUTH).json()["throughput"]["retries"] > retries_before
+
+
+@pytest.mark.timeout(90)
+def test_a_server_that_starts_after_the_sampler_is_in_rotation_as_soon_as_it_answers(
+        tmp_path: Path, cleanup: Cleanup) -> None:
+    """As in `tandem demo` and compose, where the inference server starts beside the sampler
+    and answers seconds after it: a down server is checked every quarter second, whatever
+    `server_check_interval` says (30 s here: the server would otherwise wait that long)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cleanup.add(lambda: kill_embedded_redis(tmp_path / "s"))
+    sampler = start_sampler_process(tmp_path / "s", inference_urls=[url], env="tests.support.envs:CountEnv",
+                                    prompts_per_step=4, num_generations=2, max_tokens=6, api_token=TOKEN,
+                                    server_check_interval=30.0)
+    cleanup.add(lambda: stop_process(sampler))
+    wait_for(lambda: _members(sampler.url)[url]["state"] == "down", 30, "the sampler to find nothing at the port")
+    standin = start_standin_process(tmp_path, cleanup, port=port, api_token=TOKEN)  # returns once /health answers
+    answered = time.monotonic()
+    wait_for(lambda: _members(sampler.url)[url]["state"] == "ok", 10, "the sampler to put the server in rotation")
+    assert time.monotonic() - answered < 2.0
+    assert standin.url == url  # the server the sampler was told of
