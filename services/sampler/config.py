@@ -132,7 +132,8 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
         description="seconds a batch may be stuck (failing builds, no new-enough server) before GET /batch answers 503 with the cause",
     )
     server_check_interval: float = Field(
-        default=2.0, gt=0, description="seconds between checks of each inference server's health and weights label"
+        default=2.0, gt=0, description="seconds between checks of each inference server's health and weights label "
+        "(a server that is down: every 0.25 s)"
     )
     server_check_timeout: float = Field(
         default=10.0, gt=0, description="seconds an inference server has to answer a health check"

@@ -6,7 +6,8 @@ so a restarted sampler, or a second replica, uses the same set. Every replica fo
 changes announced on the events channel.
 
 Each server has a state (inference_pool.py): only "ok" servers get work. A monitor asks
-every server `GET /weight_info` every `server_check_interval` seconds, and at once when a
+every server `GET /weight_info` every `server_check_interval` seconds (one that is down every
+0.25 s, so a server starting beside the sampler gets work as soon as it answers), and at once when a
 request to it was refused or dropped or its answers showed older weights than it was
 synced to. What the label says decides:
 
