@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from shared.aio import wait_event
+from shared.aio import Abandoned, Cuttable, wait_event
 from shared.http_client import HttpClient, Reply, TransportError
 from shared.probe import ProbeResult
 
@@ -204,9 +204,8 @@ class InferencePool:
         # Since when requests have found no usable server (None while they find one).
         self.blocked_since: float | None = None
         self.blocked_version: int | None = None
-        # url -> the HTTP requests in flight to it, each with the reason it was abandoned (None
-        # while it runs), so that `abandon` can cut them short.
-        self._sending: dict[str, dict[asyncio.Future, str | None]] = {}
+        # The HTTP requests in flight, by server URL, so that `abandon` can cut them short.
+        self._sending = Cuttable()
 
     # --- membership ----------------------------------------------------------------------
 
@@ -404,29 +403,16 @@ class InferencePool:
         without cancelling the trajectory that waits for it."""
         request = asyncio.ensure_future(self.http.request("POST", server.url + path, json=payload, headers=headers,
                                                           timeout=self.request_timeout))
-        sending = self._sending.setdefault(server.url, {})
-        sending[request] = None
         try:
-            return await request
-        except asyncio.CancelledError:
-            why = sending.get(request)
-            task = asyncio.current_task()
-            if why is None or (task is not None and task.cancelling()):
-                raise  # our caller was cancelled, not the request abandoned
-            raise TransportError(f"Abandoned: {why}") from None
-        finally:
-            sending.pop(request, None)
+            return await self._sending.run(server.url, request)
+        except Abandoned as exc:
+            raise TransportError(f"Abandoned: {exc.why}") from None
 
     def abandon(self, server: Server, why: str) -> int:
         """Cut every request in flight to `server`: each fails as a dropped one does and is
         retried on another server (a multi-turn trajectory moves to the server it is retried
         on, as when its server dies). The number cut."""
-        sending = self._sending.get(server.url, {})
-        cut = [request for request, reason in sending.items() if reason is None and not request.done()]
-        for request in cut:
-            sending[request] = why
-            request.cancel()
-        return len(cut)
+        return self._sending.abandon(server.url, why)
 
     async def wait_idle(self, server: Server, timeout: float) -> bool:
         """Wait until `server` has no request outstanding, at most `timeout` seconds."""

@@ -42,6 +42,7 @@ from services.inference.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
 from services.sampler.inference_pool import MISMATCH, OK, RESYNCING, STALE, InferencePool, Server
 from services.sampler.store import Store
 from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
+from shared.aio import Abandoned, Cuttable, gather_first_error
 from shared.http_client import Reply, TransportError
 from shared.probe import Probe, ProbeResult, compare, probe_request, served_logprobs
 from shared.probe import failed as probe_failed
@@ -71,16 +72,6 @@ class SyncResult:
     probe: ProbeResult | None = None
 
 
-async def gather_first_error(*calls: Any) -> list[Any]:
-    """Run `calls` together, each to its end (none is left running, none cut short by
-    another's failure), then raise the first one's error, if any."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
-
-
 def parse_version_label(body: Any) -> int | None:
     """An integer version out of /weight_info's answer, or None when unlabelled."""
     if isinstance(body, dict):
@@ -105,9 +96,9 @@ class WeightSync:
         self.step_timeout = step_timeout
         self.reload_timeout = reload_timeout
         self.resume_deadline = resume_deadline
-        # url -> (the task syncing it, the version); `abandon` cancels it, with the reason kept here.
+        # url -> (the task syncing it, the version); `abandon` cuts it short through `_cuts`.
         self._running: dict[str, tuple[asyncio.Task, int]] = {}
-        self._abandoned: dict[asyncio.Task, str] = {}
+        self._cuts = Cuttable()
         # Called with a server whose sync starts (the fleet checks it is alive at once).
         self.on_start: Callable[[Server], None] | None = None
         self.lock = asyncio.Lock()
@@ -194,13 +185,9 @@ class WeightSync:
         if self.on_start is not None:
             self.on_start(server)
         try:
-            return await task
-        except asyncio.CancelledError:
-            why = self._abandoned.get(task)
-            current = asyncio.current_task()
-            if why is None or (current is not None and current.cancelling()):
-                raise
-            message = f"abandoned: {why}"
+            return await self._cuts.run(server.url, task)
+        except Abandoned as exc:
+            message = f"abandoned: {exc.why}"
             server.last_error = f"weight sync to version {version} {message}"
             server.note(server.last_error)
             log.error("weight sync of %s to version %d %s", server.url, version, message)
@@ -209,7 +196,6 @@ class WeightSync:
                                            unreachable=True))
         finally:
             self._syncing.discard(task)
-            self._abandoned.pop(task, None)
             if self._running.get(server.url, (None,))[0] is task:
                 del self._running[server.url]
 
@@ -222,12 +208,9 @@ class WeightSync:
         """Cut the sync to `server` short (it stopped answering): no resume is sent (it would
         not get through either), and the server is re-synced when it answers again
         (`Server.needs_resync`). True when there was one."""
-        running = self._running.get(server.url)
-        if running is None or running[0].done():
+        if not self._cuts.abandon(server.url, why):
             return False
-        self._abandoned[running[0]] = why
         server.needs_resync = why
-        running[0].cancel()
         return True
 
     def holds_pause(self, server: Server) -> bool:
@@ -361,7 +344,7 @@ class WeightSync:
                 # resumes, and shutdown() can wait for it. Not a sync abandoned because the server
                 # stopped answering: its re-sync resumes it once it answers.
                 resumed = False
-                if asyncio.current_task() not in self._abandoned:
+                if not self._cuts.cut(asyncio.current_task()):
                     resuming = self._track(self._resuming, asyncio.create_task(
                         self.resume(server), name=f"resume-after-sync-{server.url}"))
                     resumed = await asyncio.shield(resuming)
