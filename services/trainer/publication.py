@@ -295,7 +295,7 @@ class BackgroundProbe:
 
     def build(self) -> None:
         """The probe's model, once (seconds at 0.5 B on a CPU: `Publisher.warm` builds it on the
-        publisher's thread while the first step trains, not inside the first publication)."""
+        probe's thread while the first step trains, not inside the first publication)."""
         if self.model is None:
             from transformers import AutoModelForCausalLM
 

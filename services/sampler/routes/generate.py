@@ -32,11 +32,10 @@ from starlette.requests import ClientDisconnect
 
 from services.sampler.deps import State
 from services.sampler.inference_pool import InferenceRequestError, InferenceUnavailable
-from services.sampler.vf.generate import ROUTE, error_body, generate_tokens
+from services.sampler.vf.generate import ROUTE, SESSION_HEADER, error_body, generate_tokens
 
 router = APIRouter(tags=["generate"])
 
-SESSION_HEADER = "x-session-id"
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> JSONResponse:

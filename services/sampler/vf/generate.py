@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from services.sampler.rollout import Rollouts
 
 ROUTE = "/inference/v1/generate"
+# The header naming a call's trajectory (vf/sessions.py), as verifiers' client sends it.
+SESSION_HEADER = "x-session-id"
 
 
 def error_body(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> dict[str, Any]:

@@ -35,13 +35,12 @@ import openai
 from verifiers.v1.clients.train import ElasticRendererPool, TrainClient
 from verifiers.v1.configs.client import TrainClientConfig
 
-from services.sampler.vf.generate import ROUTE, generate_tokens
+from services.sampler.vf.generate import ROUTE, SESSION_HEADER, generate_tokens
 from services.sampler.vf.sessions import Sessions
 
 if TYPE_CHECKING:
     from services.sampler.rollout import Rollouts
 
-SESSION_HEADER = "x-session-id"
 
 
 class LocalTrainClientConfig(TrainClientConfig):
