@@ -303,6 +303,7 @@ class Fleet:
     async def _check(self, server: Server) -> None:
         if not await self.liveness.check(server, busy=self._busy(server)) or self._busy(server):
             return
+        known = server.version
         label = await self._read_label(server)
         if not label.reachable:
             server.last_error = label.error
@@ -311,6 +312,10 @@ class Fleet:
                 await self.sync.record(server)
             return
         meta = await self.store.meta()
+        if self._busy(server) or server.version != known:
+            # A sync, or a trainer's push (record_pushed), moved it while its label was read:
+            # that label is older than what we know now. The next check reads a fresh one.
+            return
         await self._reconcile(server, label, meta["version"], meta["checkpoint_path"], meta["adapter"])
 
     async def _reconcile(self, server: Server, label: Label, published: int, checkpoint: str | None,
