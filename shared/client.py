@@ -25,6 +25,10 @@ from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
 
 log = logging.getLogger("tandem.client")
 
+# Seconds a long poll's answer may come after its `timeout` before its silence is reported: the
+# sampler answers at `timeout` (a Redis that stops answering: a 503 two seconds later).
+ANSWER_GRACE_S = 5.0
+
 
 class SamplerError(RuntimeError):
     """Base class of every error the client raises."""
@@ -128,13 +132,15 @@ class SamplerClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, what: str, **kwargs: Any) -> Reply:
-        """Send one request, retrying transport errors and 5xx until `retry_for` runs out."""
+    async def _request(self, method: str, path: str, what: str, *, answer_within: float | None = None,
+                       **kwargs: Any) -> Reply:
+        """Send one request, retrying transport errors and 5xx until `retry_for` runs out.
+        `answer_within`: seconds after which no answer is worth a log line (`report_every`)."""
         retrying = Retrying(what, self.base_url, self.retry_for, self.retry_for_name, self.report_every, log)
         delay = 0.1
         while True:
             try:
-                response = await self._http.request(method, self.base_url + path, **kwargs)
+                response = await self._watched(method, path, what, answer_within or self.report_every, **kwargs)
             except TransportError as exc:
                 failure = str(exc)
             else:
@@ -147,6 +153,26 @@ class SamplerClient:
             retrying.failed(failure)
             await asyncio.sleep(min(delay, left))  # the last try at the deadline itself
             delay = min(delay * 2, 5.0)
+
+    async def _watched(self, method: str, path: str, what: str, answer_within: float, **kwargs: Any) -> Reply:
+        """One request's answer. A sampler that is frozen (not dead: its socket accepts, nothing
+        answers) is not silent until the request's own timeout: a line once `answer_within`
+        seconds pass without an answer, then one every `report_every`."""
+        call = asyncio.ensure_future(self._http.request(method, self.base_url + path, **kwargs))
+        started = time.monotonic()
+        wait = answer_within
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=wait)
+                if done:
+                    return call.result()
+                log.warning("%s: no answer from the sampler at %s for %.0fs (frozen or overloaded?); still waiting "
+                            "for this request, then retrying for up to %gs (%s)", what, self.base_url,
+                            time.monotonic() - started, self.retry_for, self.retry_for_name)
+                wait = self.report_every
+        finally:
+            if not call.done():
+                call.cancel()
 
     async def get_batch(
         self, step: int, rank: int = 0, world_size: int = 1, *, timeout: float | None = None
@@ -223,8 +249,11 @@ class SamplerClient:
             if give_up is not None:
                 poll = min(poll, max(0.0, give_up - time.monotonic()))
             params = {"step": step, "timeout": poll, "rank": rank, "world_size": world_size}
+            # A poll the sampler does not answer is reported (`_watched`) ANSWER_GRACE_S after it
+            # should have been answered: at most report_every + ANSWER_GRACE_S into a freeze.
             response = await self._request("GET", "/batch", what, params=params, headers=headers,
-                                           into=alloc if self._frames else None)
+                                           into=alloc if self._frames else None,
+                                           answer_within=poll + min(ANSWER_GRACE_S, self.report_every))
             status = response.status_code
             if status == 200:
                 return response.content_type, response.content
@@ -299,7 +328,8 @@ class SamplerClient:
             poll = self.poll_timeout
             if give_up is not None:
                 poll = min(poll, max(0.0, give_up - time.monotonic()))
-            response = await self._request("GET", f"/eval/{eval_id}", what, params={"timeout": poll})
+            response = await self._request("GET", f"/eval/{eval_id}", what, params={"timeout": poll},
+                                           answer_within=poll + ANSWER_GRACE_S)
             if response.status_code != 200:
                 self._raise(response, what)
             result = EvalResult.model_validate(response.json())

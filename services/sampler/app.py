@@ -106,7 +106,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).
         pool = InferencePool([], max_concurrency=settings.max_concurrency,
                              request_timeout=settings.request_timeout, retries=settings.request_retries, http=http,
-                             on_version_change=notifier.notify)
+                             on_version_change=notifier.notify, seconds_per_token=settings.request_seconds_per_token,
+                             request_floor=settings.request_floor)
         sampling = {"temperature": settings.temperature, "top_p": settings.top_p}
         # Only when set: otherwise the environment's own top_k / min_p (if any) stand.
         sampling.update({name: value for name, value in (("top_k", settings.top_k), ("min_p", settings.min_p))

@@ -113,7 +113,18 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
         description="recently sealed batches kept in memory (served without a Redis read, written back "
         "after a Redis restart): the newest always, older ones while they all fit in this many bytes")
     max_poll_timeout: float = Field(default=60.0, gt=0, description="upper bound on ?timeout= of long-polls")
-    request_timeout: float = Field(default=600.0, gt=0, description="seconds for one inference request")
+    request_timeout: float = Field(
+        default=600.0, gt=0,
+        description="the most seconds one inference request may take, whatever it asks for (the outer bound)")
+    request_seconds_per_token: float = Field(
+        default=1.0, gt=0,
+        description="seconds an inference request may take per token it may generate (its max_tokens), on top of "
+                    "request_floor: a server that answers health checks but never finishes a request costs that "
+                    "much, not request_timeout (time a weight sync holds the server paused is not counted)")
+    request_floor: float = Field(
+        default=60.0, gt=0,
+        description="seconds every inference request may take before its per-token allowance: queueing and the "
+                    "prompt's prefill")
     request_retries: int = Field(default=5, ge=0, description="retries of a failed inference request")
     resume_deadline: float = Field(
         default=15.0, gt=0, description="seconds a weight sync retries /resume before handing it to a background retrier"

@@ -99,6 +99,10 @@ class Server:
     # Set when a sync to it was abandoned (it stopped answering mid-sync): its label may name
     # weights it never finished loading, so when it answers again it is re-synced whatever it says.
     needs_resync: str | None = None
+    # Monotonic seconds our weight syncs have held it so far, and when the one now running began:
+    # a request frozen by a sync's pause is not charged for that time (InferencePool.budget).
+    held_seconds: float = 0.0
+    held_since: float | None = None
     added_at: float = field(default_factory=time.time)
     # (unix time, what happened): joins, leaves, restarts, re-syncs, for /status and the dashboard.
     events: collections.deque[tuple[float, str]] = field(default_factory=lambda: collections.deque(maxlen=EVENTS_KEPT))
@@ -111,6 +115,20 @@ class Server:
             and self.version >= min_version
             and now >= self.cooldown_until
         )
+
+    def hold(self, syncing: bool) -> None:
+        """A weight sync of ours starts (True) or ends (False) on this server."""
+        now = time.monotonic()
+        if syncing and self.held_since is None:
+            self.held_since = now
+        elif not syncing and self.held_since is not None:
+            self.held_seconds += now - self.held_since
+            self.held_since = None
+        self.syncing = syncing
+
+    def held(self) -> float:
+        """Seconds our weight syncs have held this server, the one running now included."""
+        return self.held_seconds + (time.monotonic() - self.held_since if self.held_since is not None else 0.0)
 
     def set_state(self, state: str, reason: str | None = None) -> bool:
         """Move to `state`; True when that is a change (it is then logged and kept as an event)."""
@@ -182,12 +200,18 @@ class InferencePool:
         retries: int,
         http: HttpClient,
         on_version_change: Callable[[], None] | None = None,
+        seconds_per_token: float | None = None,
+        request_floor: float = 60.0,
     ):
         self._servers: dict[str, Server] = {}
         for url in urls:
             self.add(url)
         self.semaphore = asyncio.Semaphore(max_concurrency)
         self.request_timeout = request_timeout
+        # A request's own bound: `request_floor` + `seconds_per_token` x its max_tokens, at
+        # most `request_timeout` (None: request_timeout for every request). See budget().
+        self.seconds_per_token = seconds_per_token
+        self.request_floor = request_floor
         self.retries = retries
         self.http = http
         self.stats = PoolStats()
@@ -397,16 +421,49 @@ class InferencePool:
                 log.warning("inference request to %s failed (%s); retry %d/%d", server.url, error, attempt + 1, self.retries)
         raise InferenceUnavailable(f"inference request failed after {attempts} attempts: " + "; ".join(failures[-3:]))
 
+    def budget(self, payload: dict[str, Any]) -> float:
+        """Seconds one request may take, from what it asks for: `request_floor` (queueing, the
+        prompt's prefill) plus `seconds_per_token` for each token it may generate, never more
+        than the flat `request_timeout`. A request that names no max_tokens gets the flat bound."""
+        sampling = payload.get("sampling_params")
+        asked = payload.get("max_tokens") or payload.get("max_completion_tokens") or (
+            sampling.get("max_tokens") if isinstance(sampling, dict) else None)
+        if self.seconds_per_token is None or not isinstance(asked, int) or asked <= 0:
+            return self.request_timeout
+        return min(self.request_timeout, self.request_floor + self.seconds_per_token * asked)
+
     async def _send(self, server: Server, path: str, payload: dict[str, Any],
                     headers: dict[str, str] | None) -> Reply:
         """One HTTP request to `server`, in a task of its own so that `abandon` can cancel it
         without cancelling the trajectory that waits for it."""
-        request = asyncio.ensure_future(self.http.request("POST", server.url + path, json=payload, headers=headers,
-                                                          timeout=self.request_timeout))
+        request = asyncio.ensure_future(self._bounded(server, path, payload, headers))
         try:
             return await self._sending.run(server.url, request)
         except Abandoned as exc:
             raise TransportError(f"Abandoned: {exc.why}") from None
+
+    async def _bounded(self, server: Server, path: str, payload: dict[str, Any],
+                       headers: dict[str, str] | None) -> Reply:
+        """The request, cut off once it has taken its `budget`: a server that answers health
+        checks but never finishes a request (a wedged engine) costs that, not `request_timeout`.
+        Time a weight sync of ours held the server paused is not charged: the request was
+        frozen by our pause, not slow."""
+        budget = self.budget(payload)
+        call = asyncio.ensure_future(self.http.request("POST", server.url + path, json=payload, headers=headers,
+                                                       timeout=self.request_timeout))
+        started, held = time.monotonic(), server.held()
+        try:
+            while True:
+                left = started + budget + (server.held() - held) - time.monotonic()
+                if left <= 0:
+                    raise TransportError(f"TimeoutError: no answer from {server.url}{path} within its budget of "
+                                         f"{budget:g} s (request_floor + seconds_per_token x max_tokens)")
+                done, _ = await asyncio.wait({call}, timeout=left)
+                if done:
+                    return call.result()
+        finally:
+            if not call.done():
+                call.cancel()
 
     def abandon(self, server: Server, why: str) -> int:
         """Cut every request in flight to `server`: each fails as a dropped one does and is

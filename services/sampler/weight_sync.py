@@ -305,7 +305,7 @@ class WeightSync:
     async def _sync_server(self, server: Server, version: int, checkpoint_path: str,
                            probe: Probe | None, adapter: bool) -> SyncResult:
         started = time.monotonic()
-        server.syncing = True
+        server.hold(True)
         error: SyncStepError | None = None
         paused = False
         checked: ProbeResult | None = None
@@ -353,7 +353,7 @@ class WeightSync:
         finally:
             if probing is not None and not probing.done():
                 probing.cancel()  # the resume failed (or the sync was cancelled): nothing to verify
-            server.syncing = False
+            server.hold(False)
         seconds = time.monotonic() - started
         if error is None and resumed and (checked is None or checked.ok):
             server.last_sync_seconds = seconds

@@ -178,10 +178,12 @@ class Trainer(threading.Thread):
     with a checkpoint path when `checkpoints` (the stand-in accepts any path)."""
 
     def __init__(self, url: str, steps: int, train_seconds: float = 0.4, checkpoints: bool = False,
-                 retry_for: float = 60.0, first_step: int = 0, api_token: str | None = None):
+                 retry_for: float = 60.0, first_step: int = 0, api_token: str | None = None,
+                 report_every: float = 30.0):
         super().__init__(daemon=True)
         self.url, self.steps, self.train_seconds, self.api_token = url, steps, train_seconds, api_token
         self.checkpoints, self.retry_for, self.first_step = checkpoints, retry_for, first_step
+        self.report_every = report_every  # the client's wait_log_interval
         self.batches: list[dict[str, Any]] = []
         self.published: list[int] = []
         self.waits: list[float] = []  # per step: seconds blocked on the sampler (fetch + publish)
@@ -203,7 +205,8 @@ class Trainer(threading.Thread):
     async def _loop(self) -> None:
         from shared.client import SamplerClient
 
-        async with SamplerClient(self.url, poll_timeout=5, retry_for=self.retry_for, api_token=self.api_token) as client:
+        async with SamplerClient(self.url, poll_timeout=5, retry_for=self.retry_for, api_token=self.api_token,
+                                 report_every=self.report_every) as client:
             for step in range(self.first_step, self.first_step + self.steps):
                 asked = time.monotonic()
                 self.batches.append(await client.get_batch_raw(step, timeout=90))

@@ -60,7 +60,8 @@ def test_sigterm_during_a_weight_sync(tmp_path: Path, redis_url: str, namespace:
 
     poster = threading.Thread(target=publish, daemon=True)
     poster.start()
-    wait_for(lambda: httpx.get(f"{standin.url}/is_paused").json()["is_paused"], 10, "the sync to pause the server")
+    wait_for(lambda: httpx.get(f"{standin.url}/is_paused").json()["is_paused"], 10, "the sync to pause the server",
+             detail=lambda: f"POST /weights_version: {result}\n{sampler.log_tail()}")
     in_flight = [p["step"] for p in httpx.get(f"{url}/status", timeout=10).json()["steps"]["in_progress"]]
     assert 1 in in_flight, f"batch 1 should be generating when SIGTERM arrives (in progress: {in_flight})"
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.background import BackgroundTask
 
 from services.sampler.deps import State
@@ -24,6 +26,12 @@ from shared.chunks import FRAMES, frame_head, gc_paused, samples_of_chunks, slic
 from shared.codec import negotiate
 
 router = APIRouter(tags=["batch"])
+
+# Seconds past its own `timeout` a long-poll waits for an answer from a Redis that has stopped
+# answering before it answers 503 (Retry-After): a few, not the Redis client's socket_timeout.
+REDIS_GRACE_S = 2.0
+
+T = TypeVar("T")
 
 
 @router.get(
@@ -51,16 +59,19 @@ async def get_batch(
     timeout = min(timeout, state.settings.max_poll_timeout)
     deadline = time.monotonic() + timeout
     store, notifier = state.store, state.notifier
+    # A Redis that stops answering (frozen, not dead) is given up on this long after the
+    # caller's own timeout, not after the Redis client's socket_timeout: the caller gets a 503.
+    answer_by = asyncio.get_running_loop().time() + timeout + REDIS_GRACE_S
     while True:
         changed = notifier.changed()
-        sealed = await store.manifest(step)
+        sealed = await _asked(store.manifest(step), answer_by, f"batch {step}'s manifest")
         response = None if sealed is None else await _batch_response(store, sealed, rank, world_size, accept)
         if response is not None:
             # Runs once the body is handed to the socket: observers waiting for the
             # hand-off (the rollout log) start then, not while the trainer receives it.
             response.background = BackgroundTask(store.mark_served, step)
             return response
-        meta = await store.meta()
+        meta = await _asked(store.meta(), answer_by, "the published version")
         if step < meta["trimmed_below"]:
             raise HTTPException(status.HTTP_410_GONE, detail=_trimmed_message(step, meta))
         required = state.strategy.required_version(step)
@@ -76,7 +87,8 @@ async def get_batch(
                 },
             )
         producer = state.producer
-        if step < meta["version"] and not producer.building(step) and await store.claim_owner(step) is None:
+        if (step < meta["version"] and not producer.building(step)
+                and await _asked(store.claim_owner(step), answer_by, f"who builds batch {step}") is None):
             # Nobody builds it, and nobody will: a published version V says batches below V were
             # consumed, and a batch built now would hold samples from weights newer than its step.
             raise HTTPException(
@@ -103,6 +115,20 @@ async def get_batch(
         if remaining <= 0:
             return Response(status_code=status.HTTP_204_NO_CONTENT)
         await wait_event(changed, remaining)
+
+
+async def _asked(call: Awaitable[T], answer_by: float, what: str) -> T:
+    """`call`'s Redis answer, or a redis TimeoutError (a 503 saying what was asked, guards.py)
+    once the loop's clock passes `answer_by`."""
+    bound = asyncio.timeout_at(answer_by)
+    try:
+        async with bound:
+            return await call
+    except TimeoutError:
+        if not bound.expired():
+            raise
+        raise RedisTimeoutError(f"no answer from Redis for {what} within the request's timeout + "
+                                f"{REDIS_GRACE_S:g} s") from None
 
 
 async def _batch_response(store: Store, batch: SealedBatch, rank: int, world_size: int,
