@@ -80,7 +80,8 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
     # One retry on a dropped connection: after a Redis restart every pooled connection is dead,
     # and each would otherwise fail one command. Every write here is idempotent (Lua SET NX,
     # compare-and-set, HSET), so sending one again is safe.
-    redis = aioredis.from_url(redis_url, socket_timeout=15, socket_connect_timeout=5, health_check_interval=15,
+    redis = aioredis.from_url(redis_url, socket_timeout=settings.redis_timeout,
+                              socket_connect_timeout=min(5.0, settings.redis_timeout), health_check_interval=15,
                               retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
     # Room for every request in flight plus the weight-sync and health-check calls (servers
     # can join at run time, hence the margin).

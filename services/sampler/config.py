@@ -38,6 +38,10 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     redis_url: str | None = Field(
         default=None, description="external Redis; unset starts an embedded redis-server under run_dir"
     )
+    redis_timeout: float = Field(
+        default=15.0, gt=0, le=3600,
+        description="seconds one Redis command may take before the sampler counts Redis as unreachable (a frozen "
+                    "Redis: its socket accepts, nothing answers); connecting gets at most 5 of them")
     namespace: str = Field(default="default", description="run namespace: prefixes every Redis key")
     fresh: bool = Field(
         default=False,

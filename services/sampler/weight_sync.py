@@ -229,7 +229,8 @@ class WeightSync:
             method = "reload_weights"
             plain_vllm = False
             try:
-                reply = await self.pool.http.get(server.url + "/server_info?config_format=json", timeout=30)
+                reply = await self.pool.http.get(server.url + "/server_info?config_format=json",
+                                                 timeout=self.step_timeout)
                 if reply.status_code == 200:
                     parallel = ((reply.json() or {}).get("vllm_config") or {}).get("parallel_config") or {}
                     if parallel.get("worker_extension_cls") == EXTENSION_CLS:
