@@ -52,6 +52,7 @@ from services.sampler.routes import (
 )
 from services.sampler.sources import FreshGroups
 from services.sampler.state import SamplerState
+from services.sampler.chunk_files import ChunkFiles
 from services.sampler.store import Store
 from services.sampler.strategies import Strategy, load_strategy
 from services.sampler.supervisor import Supervisor, install_task_dump
@@ -102,7 +103,12 @@ async def sampler_state(settings: SamplerSettings, env: Environment, strategy: S
         reporter = await asyncio.to_thread(
             Reporter.start, settings, "sampler", settings.model_dump(mode="json", exclude={"api_token", "redis_url"}),
             resume=not settings.fresh, instance=f"sampler-{settings.port}")
-        store = Store(redis, keys, cache_bytes=settings.batch_cache_bytes)
+        files = (ChunkFiles(settings.chunk_dir, settings.batch_store_timeout)
+                 if settings.batch_store == "files" else None)
+        store = Store(redis, keys, cache_bytes=settings.batch_cache_bytes, files=files,
+                      write_timeout=settings.batch_store_timeout)
+        # Chunk files a crash left behind, before this process writes any of its own.
+        await store.sweep_orphans()
         notifier = Notifier(redis_url, keys.events, link)
         # Empty until the fleet loads the run's membership from Redis (seeded by inference_urls).
         pool = InferencePool([], max_concurrency=settings.max_concurrency,

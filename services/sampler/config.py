@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -112,6 +113,18 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
         default=4 << 20, ge=64 << 10, le=256 << 20,
         description="a sealed batch is stored in chunks of about this many bytes, cut between groups: a "
         "rank's share is read as whole chunks plus at most part of one at each end")
+    batch_store: Literal["files", "redis"] = Field(
+        default="files",
+        description="where a sealed batch's chunks go: files (written and fsynced once under batch_dir; Redis keeps the "
+        "manifest) or redis (Redis strings through its fsync-always log: only for replicas that share no directory)")
+    batch_dir: Path | None = Field(
+        default=None,
+        description="directory of the chunk files (batch_store = files); unset = run_dir/batches. Every sampler "
+        "replica of a run must see the same directory at the same path (docs/sampler-api.md)")
+    batch_store_timeout: float = Field(
+        default=120.0, gt=0, le=86400,
+        description="seconds storing one batch's chunks may take; past it the attempt fails with the batch's size and "
+        "the build retries after a back-off")
     batch_cache_bytes: int = Field(
         default=1 << 30, ge=0,
         description="recently sealed batches kept in memory (served without a Redis read, written back "
@@ -194,6 +207,11 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     def self_url(self) -> str:
         """This sampler's own address, as a process on its machine reaches it."""
         return local_url(self.host, self.port)
+
+    @property
+    def chunk_dir(self) -> Path:
+        """Where chunk files go (batch_store = files)."""
+        return self.batch_dir if self.batch_dir is not None else self.run_dir / "batches"
 
     @property
     def batch_size(self) -> int:

@@ -2,7 +2,8 @@
 `make stress`); the mechanism is shared/drill.py, switched on by TANDEM_DRILL_PAUSE.
 
 Points: `claimed` (a step's claim taken, nothing generated yet), `built` (the batch packed,
-not yet sealed), `staged` (its chunks written to Redis, the seal script not yet run), `sealed` (Redis acknowledged the seal, nothing else done yet), `publishing`
+not yet sealed), `writing` (its first chunk stored, the others not yet), `staged` (all its
+chunks stored, the seal script not yet run), `sealed` (Redis acknowledged the seal, nothing else done yet), `publishing`
 (POST /weights_version: servers synced, the version not yet written) and `published` (the
 version written, the answer not yet sent).
 """
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 
 from shared.drill import Drill
 
-POINTS = ("claimed", "built", "staged", "sealed", "publishing", "published")
+POINTS = ("claimed", "built", "writing", "staged", "sealed", "publishing", "published")
 
 __all__ = ["POINTS", "Drill", "from_env"]
 

@@ -28,6 +28,8 @@ class SealedBatch:
     stats: dict[str, Any]
     table: list[tuple[int, int]]  # (samples, bytes) per chunk
     chunks: list[Any] | None = None
+    # Where the chunks are files (chunk_files.py): the build's directory; None: Redis strings.
+    files: str | None = None
 
     @property
     def num_samples(self) -> int:
@@ -44,7 +46,9 @@ class SealedBatch:
     @classmethod
     def from_manifest(cls, step: int, fields: dict[bytes, bytes]) -> SealedBatch:
         table = [(int(n), int(b)) for n, b in json.loads(fields[b"table"])]
-        return cls(step, fields[b"build"].decode(), json.loads(fields[b"stats"]), table)
+        files = fields.get(b"dir")
+        return cls(step, fields[b"build"].decode(), json.loads(fields[b"stats"]), table,
+                   files=files.decode() if files is not None else None)
 
 
 _SIZED = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "loss_mask",

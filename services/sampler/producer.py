@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.sampler.chunk_files import StoreFailed
 from services.sampler.drill import Drill
 from services.sampler.healing import HealLog
 from services.sampler.inference_pool import OK, InferencePool
@@ -79,6 +80,7 @@ class BuildProgress:
     min_version: int
     started_at: float = field(default_factory=time.time)
     attempts: int = 0
+    seal_attempts: int = 0  # attempts at storing and sealing the packed bytes
     error: str | None = None
     # "generating", then "sealing" once the bytes are packed, then "sealed" (hooks running).
     phase: str = "generating"
@@ -111,6 +113,7 @@ class Producer:
         self.last_sealed: int | None = None
         self.last_error: str | None = None
         self.sealed_count = 0
+        self.store_failures = 0  # attempts at storing a built batch that failed (StoreFailed, a Redis error)
         self.dropped = 0  # builds dropped because the run moved past their step (failed, or trimmed)
         self._tickets = 0
         self._builds: dict[int, asyncio.Task] = {}
@@ -368,8 +371,10 @@ class Producer:
         down. 1 sealed now, 0 another build sealed it first, -1 trimmed before it was sealed."""
         delay = 0.5
         while True:
+            progress.seal_attempts += 1
             try:
-                return await self.store.seal(step, packed, staged=lambda: self.drill.point("staged", step))
+                return await self.store.seal(step, packed, staged=lambda: self.drill.point("staged", step),
+                                             writing=lambda: self.drill.point("writing", step))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the batch is built: never lose it to a blip
@@ -380,8 +385,13 @@ class Producer:
                     progress.error = f"step {step}: built, waiting for Redis to seal it ({type(exc).__name__})"
                     await self.link.ride_out(exc)
                     continue
-                progress.error = self.last_error = f"step {step}: sealing failed: {type(exc).__name__}: {exc}"
-                log.error("sealing batch %d failed: %s; trying the same bytes again in %.1fs", step, exc, delay)
+                self.store_failures += 1
+                if isinstance(exc, StoreFailed):  # its message names the batch, its size and the bound
+                    progress.error = self.last_error = str(exc)
+                else:
+                    progress.error = self.last_error = f"step {step}: sealing failed: {type(exc).__name__}: {exc}"
+                log.error("sealing batch %d failed (attempt %d): %s; trying the same bytes again in %.1fs",
+                          step, progress.seal_attempts, progress.error, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -469,12 +479,13 @@ class Producer:
             "sealed_since_start": self.sealed_count,
             "in_progress": [
                 {"step": p.step, "min_version": p.min_version, "started_at": p.started_at,
-                 "attempts": p.attempts, "error": p.error, "phase": p.phase}
+                 "attempts": p.attempts, "seal_attempts": p.seal_attempts, "error": p.error, "phase": p.phase}
                 for p in sorted(self.in_progress.values(), key=lambda p: p.step)
             ],
             "missing": self.missing,
             "healed": self.heals.snapshot(),
             "dropped_builds": self.dropped,
+            "store_failures": self.store_failures,
             "last_error": self.last_error,
             "replica": self.owner,
             "claimed_elsewhere": sorted(self.foreign),

@@ -1,16 +1,22 @@
 """Durable sampler state in Redis: sealed batches, the published version, servers, stats.
 
 Invariants:
-* A sealed batch is a manifest (a hash: build id, chunk table, stats) and its chunks
-  (strings of group-aligned samples, shared/chunks.py), so no single Redis value has to
-  hold a whole batch (Redis refuses values over 512 MB). The chunks are written first, with
-  an expiry, under keys named by the build; one Lua script then checks they are all there,
-  makes them permanent, writes the manifest only if none exists (first seal wins), records
-  the step and announces it. A reader sees all of a batch or none of it; re-sealing a step
-  is a no-op (the loser's chunks are deleted), so writes are idempotent, and chunks of a
-  build that never sealed expire by themselves.
+* A sealed batch is a manifest in Redis (a hash: build id, chunk table, stats, and `dir`
+  when its chunks are files) and its chunks (group-aligned samples, shared/chunks.py).
+  With `files` (a ChunkFiles, the default) the chunks are files written and fsynced once
+  (chunk_files.py), never Redis values: Redis's `appendfsync always` write path carries only
+  the manifest, so it stays responsive while gigabytes are stored. Without, they are Redis
+  strings written first with an expiry (chunks of a build that never sealed expire by
+  themselves). Either way the chunks are durable before one Lua script writes the manifest
+  only if none exists (first seal wins), records the step and announces it: a seal is
+  acknowledged only when chunks and manifest are durable, a reader sees all of a batch or
+  none of it, and re-sealing a step is a no-op (the loser's chunks are deleted).
+* Storing a batch's chunks has a bound (`StoreFailed` past it, chunk_files.py): a write
+  that cannot finish fails its attempt once, with its size and the bound, instead of
+  holding Redis or the build without end.
 * Readers never pop: a batch reads the same until the step is trimmed; trimming deletes a
-  manifest and its chunks in the same script.
+  manifest and its Redis chunks in the same script, and its chunk files right after (a
+  reader who loses that race finds a file gone and answers as for a trimmed batch).
 * The published version only moves forward (compare-and-set in Lua).
 * Memory is bounded: batches more than `keep_batches` behind the published version are
   deleted, except those from the trainer's resume step on (the step after its newest full
@@ -35,6 +41,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from services.sampler import store_scripts as scripts
+from services.sampler.chunk_files import ChunkFiles, StoreFailed, describe_bytes
 from services.sampler.keys import Keys
 from services.sampler.packing import SealedBatch, pack
 from shared import codec
@@ -42,109 +50,6 @@ from shared.aio import wait_event
 from shared.probe import Probe
 
 log = logging.getLogger("tandem.sampler.store")
-
-# KEYS: manifest, sealed, meta. ARGV: step, channel, build, chunk count, chunk key prefix,
-# chunk table (JSON), stats (JSON). Returns 1 when sealed now, 0 when the step was already
-# sealed (by this build: a repeat; by another: its chunks are deleted), -1 when the step was
-# trimmed, -2 when a chunk is missing (expired, or lost by a restarted Redis): write them again.
-_SEAL = """
-local n = tonumber(ARGV[4])
-local function drop() for i = 0, n - 1 do redis.call('DEL', ARGV[5] .. i) end end
-local trimmed = tonumber(redis.call('HGET', KEYS[3], 'trimmed_below') or '0')
-if tonumber(ARGV[1]) < trimmed then drop() return -1 end
-local kind = redis.call('TYPE', KEYS[1]).ok
-if kind ~= 'none' then
-  if kind ~= 'hash' or redis.call('HGET', KEYS[1], 'build') ~= ARGV[3] then drop() end
-  return 0
-end
-for i = 0, n - 1 do
-  if redis.call('EXISTS', ARGV[5] .. i) == 0 then return -2 end
-end
-for i = 0, n - 1 do redis.call('PERSIST', ARGV[5] .. i) end
-redis.call('HSET', KEYS[1], 'build', ARGV[3], 'chunks', n, 'table', ARGV[6], 'stats', ARGV[7])
-redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
-redis.call('PUBLISH', ARGV[2], 'sealed:' .. ARGV[1])
-return 1
-"""
-
-# KEYS: meta, probe. ARGV: version, checkpoint_path ('' for none), channel, time, probe JSON ('' for none),
-# adapter ('1': checkpoint_path is a LoRA adapter, '0': full weights).
-# Returns {outcome, previous}: outcome 2 = advanced, 1 = same version again, 0 = refused (lower).
-# The probe and the adapter flag belong to the version: written (or deleted) in the same step.
-_PUBLISH = """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-local v = tonumber(ARGV[1])
-if v < cur then return {0, cur} end
-if v == cur then return {1, cur} end
-redis.call('HSET', KEYS[1], 'version', v, 'checkpoint_path', ARGV[2], 'published_at', ARGV[4], 'adapter', ARGV[6])
-if ARGV[5] == '' then redis.call('DEL', KEYS[2]) else redis.call('SET', KEYS[2], ARGV[5]) end
-redis.call('PUBLISH', ARGV[3], 'version:' .. v)
-return {2, cur}
-"""
-
-# KEYS: meta, sealed. ARGV: trim_below, prefix, resume_step ('' when the trainer sent none).
-# Deletes batches below min(trim_below, resume_step); the trainer's resume step is recorded
-# (what /status and the 410 report), and the mark never moves back.
-_TRIM = """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'trimmed_below') or '0')
-local upto = tonumber(ARGV[1])
-if ARGV[3] ~= '' then
-  local hold = tonumber(ARGV[3])
-  redis.call('HSET', KEYS[1], 'resume_step', hold)
-  if hold < upto then upto = hold end
-end
-if upto <= cur then return 0 end
-local steps = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. upto)
-for _, s in ipairs(steps) do
-  local key = ARGV[2] .. 'batch:' .. s
-  if redis.call('TYPE', key).ok == 'hash' then
-    local m = redis.call('HMGET', key, 'build', 'chunks')
-    for i = 0, tonumber(m[2]) - 1 do redis.call('DEL', key .. ':' .. m[1] .. ':' .. i) end
-  end
-  redis.call('DEL', key)
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. upto)
-redis.call('HSET', KEYS[1], 'trimmed_below', upto)
-return #steps
-"""
-
-
-# KEYS: claim, sealed. ARGV: step, owner, ttl_ms. Takes or extends the lease on generating a
-# step: 2 = taken now (nobody held it: a new claim, or one a Redis restart lost), 1 = extended
-# (we hold it), 0 = another replica holds it, -1 = already sealed (checked in the same atomic
-# step, so a claim released right after its seal can never be taken for a second generation
-# of that step).
-_LEASE = """
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return -1 end
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[2] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return 1
-end
-if holder then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 2
-"""
-
-# KEYS: members. ARGV: url, removed record (JSON), channel. 1 = removed now, 0 = not a member.
-_REMOVE_MEMBER = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return 0 end
-local removed = cjson.decode(raw)['removed_at']
-if removed ~= nil and removed ~= cjson.null then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('PUBLISH', ARGV[3], 'servers')
-return 1
-"""
-
-# KEYS: claim. ARGV: owner. Deletes the lease only if we hold it.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
 
 # Chunks of a build not yet sealed expire after this (a build that died before its seal
 # leaves nothing behind); the seal script makes them permanent. A seal delayed past it (a
@@ -172,8 +77,12 @@ def _rounds(sizes: list[int]) -> list[tuple[int, int]]:
 
 class Store:
     def __init__(self, client: aioredis.Redis, keys: Keys, stats_cap: int = 256, recent_cap: int = 4,
-                 cache_bytes: int = 1 << 30):
+                 cache_bytes: int = 1 << 30, files: ChunkFiles | None = None, write_timeout: float = 120.0):
         self.r = client
+        # Where chunks go: files (the bulk store), or None for Redis strings (batch_store = redis).
+        self.files = files
+        # The bound on storing one batch's chunks (the files' own, or this for Redis strings).
+        self.write_timeout = files.timeout if files is not None else write_timeout
         # Batches this process sealed, newest last: served from memory, written back after a
         # Redis restart. The newest always stays; older ones while all fit in `cache_bytes`.
         self._recent: OrderedDict[int, SealedBatch] = OrderedDict()
@@ -189,25 +98,26 @@ class Store:
         self._trim_mark = 0
         self.keys = keys
         self.stats_cap = stats_cap
-        self._seal = client.register_script(_SEAL)
-        self._publish = client.register_script(_PUBLISH)
-        self._trim = client.register_script(_TRIM)
-        self._lease = client.register_script(_LEASE)
-        self._release = client.register_script(_RELEASE)
-        self._remove_member = client.register_script(_REMOVE_MEMBER)
+        self._seal = client.register_script(scripts.SEAL)
+        self._publish = client.register_script(scripts.PUBLISH)
+        self._trim = client.register_script(scripts.TRIM)
+        self._lease = client.register_script(scripts.LEASE)
+        self._release = client.register_script(scripts.RELEASE)
+        self._remove_member = client.register_script(scripts.REMOVE_MEMBER)
 
     # --- batches -------------------------------------------------------------------
 
-    async def seal(self, step: int, batch: SealedBatch,
-                   staged: Callable[[], Awaitable[None]] | None = None) -> int:
+    async def seal(self, step: int, batch: SealedBatch, staged: Callable[[], Awaitable[None]] | None = None,
+                   writing: Callable[[], Awaitable[None]] | None = None) -> int:
         """Write `batch`'s chunks, then seal it: 1 sealed now, 0 already sealed (by another
-        build), -1 trimmed before it was sealed. `staged` is awaited between the two (the
-        restart drills pause there)."""
+        build), -1 trimmed before it was sealed. `writing` is awaited once the first chunk is
+        stored, `staged` between the last and the seal (the restart drills pause there).
+        StoreFailed: the chunks could not be stored within the bound (or at all)."""
         sealed = asyncio.get_running_loop().create_future()
         self._sealing[step] = sealed
         outcome = 0
         try:
-            outcome = await self._write_and_seal(step, batch, staged)
+            outcome = await self._write_and_seal(step, batch, staged, writing)
             if outcome == 1:
                 # Only bytes that really became the sealed batch may be served from memory.
                 self._remember(step, batch)
@@ -223,31 +133,61 @@ class Store:
         while len(self._recent) > 1 and (len(self._recent) > self.recent_cap or total > self.cache_bytes):
             total -= self._recent.popitem(last=False)[1].nbytes
 
-    async def _write_and_seal(self, step: int, batch: SealedBatch,
-                              staged: Callable[[], Awaitable[None]] | None = None) -> int:
+    async def _write_and_seal(self, step: int, batch: SealedBatch, staged: Callable[[], Awaitable[None]] | None = None,
+                              writing: Callable[[], Awaitable[None]] | None = None) -> int:
         k = self.keys
         prefix = k.chunk_prefix(step, batch.build)
         table, stats = batch.manifest()
         for _ in range(3):
-            await self._write_chunks(prefix, batch.chunks or [])
+            where = ""
+            if self.files is not None:
+                stored = await self.files.write(step, batch.build, batch.chunks or [], pause=writing,
+                                                reuse=batch.files)
+                # Durable now: an attempt after a failed seal (Redis down) reuses these files.
+                batch.files = where = str(stored)
+                if not self.files.touch(stored, len(batch.table)):
+                    raise StoreFailed(f"batch {step}: its chunk files in {stored} went missing before the seal "
+                                      "(removed by hand, or by a sweep of another sampler?)")
+            else:
+                await self._write_chunks(prefix, batch.chunks or [], writing, step=step)
+            writing = None
             if staged is not None:
                 await staged()
                 staged = None
             outcome = int(await self._seal(keys=[k.batch(step), k.sealed, k.meta],
-                                           args=[step, k.events, batch.build, len(batch.table), prefix, table, stats]))
+                                           args=[step, k.events, batch.build, len(batch.table), prefix, table, stats,
+                                                 where]))
+            if where and outcome in (0, -1):
+                self.files.remove(where)  # another build's seal won, or the step is gone: these files are orphans
+                batch.files = None
             if outcome != -2:
-                return outcome
+                return 0 if outcome == 2 else outcome
             log.warning("batch %d: a chunk was missing from Redis at the seal (a restarted Redis?); "
                         "writing the chunks again", step)
         raise RuntimeError(f"batch {step}: its chunks kept disappearing from Redis between their write and the "
                            "seal (is Redis evicting keys? set maxmemory-policy noeviction)")
 
-    async def _write_chunks(self, prefix: str, buffers: list[Any]) -> None:
-        for start, stop in _rounds([len(b) for b in buffers]):
-            async with self.r.pipeline(transaction=False) as pipe:
-                for i in range(start, stop):
-                    pipe.set(prefix + str(i), memoryview(buffers[i]), px=STAGED_TTL_MS)
-                await pipe.execute()
+    async def _write_chunks(self, prefix: str, buffers: list[Any],
+                            writing: Callable[[], Awaitable[None]] | None = None, *, step: int = -1) -> None:
+        """The chunks as Redis strings (batch_store = redis), within the same bound as files."""
+        async def everything() -> None:
+            nonlocal writing
+            for start, stop in _rounds([len(b) for b in buffers]):
+                async with self.r.pipeline(transaction=False) as pipe:
+                    for i in range(start, stop):
+                        pipe.set(prefix + str(i), memoryview(buffers[i]), px=STAGED_TTL_MS)
+                    await pipe.execute()
+                if writing is not None:
+                    await writing()
+                    writing = None
+
+        try:
+            await asyncio.wait_for(everything(), self.write_timeout)
+        except TimeoutError:
+            total = sum(len(b) for b in buffers)
+            raise StoreFailed(f"batch {step}: {describe_bytes(total)} could not be stored in {self.write_timeout:g} s: "
+                              "Redis took its chunks too slowly (batch_store = redis writes every byte through "
+                              "Redis's fsync-always log; batch_store = files is built for bulk)") from None
 
     def held(self, step: int) -> bool:
         """Whether this process holds the sealed bytes of `step` (it sealed them recently)."""
@@ -298,6 +238,8 @@ class Store:
         gone (the batch was trimmed meanwhile)."""
         if batch.chunks is not None:
             return [batch.chunks[i] for i in indices]
+        if batch.files is not None:
+            return await asyncio.to_thread(ChunkFiles.read, batch.files, indices, [batch.table[i][1] for i in indices])
         prefix = self.keys.chunk_prefix(batch.step, batch.build)
         found: list[Any] = []
         # Bounded reads: a reply is buffered whole by the client.
@@ -347,7 +289,45 @@ class Store:
         for held in [s for s in self._recent if s < mark]:
             del self._recent[held]  # its memory goes back now, not when a later seal evicts it
         hold = "" if resume_step is None else resume_step
-        return int(await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix, hold]))
+        gone, upto, *dirs = await self._trim(keys=[self.keys.meta, self.keys.sealed], args=[step, self.keys.prefix, hold])
+        if self.files is not None and (int(gone) or dirs):
+            # Every build of a trimmed step goes, sealed or orphaned, here or where its manifest says.
+            await asyncio.to_thread(self.files.remove_below, int(upto), [d.decode() for d in dirs])
+        return int(gone)
+
+    async def sweep_orphans(self, stale_after: float = STAGED_TTL_MS / 1000) -> int:
+        """At start: remove chunk files no manifest names and none ever will: builds of trimmed
+        steps, builds that lost their step's seal to another build, and unsealed builds untouched
+        for `stale_after` seconds (what a Redis chunk's expiry does). A younger unsealed build
+        may be another replica's write in flight, so it stays (a trim removes it later)."""
+        if self.files is None:
+            return 0
+        builds = await asyncio.to_thread(self.files.builds)
+        if not builds:
+            return 0
+        trimmed = int(await self.r.hget(self.keys.meta, "trimmed_below") or 0)
+        steps = sorted({step for step, _, _ in builds})
+        async with self.r.pipeline(transaction=False) as pipe:
+            for step in steps:
+                pipe.hget(self.keys.batch(step), "dir")
+            # A step sealed before chunks (a string, WRONGTYPE here) is sealed by no build of these.
+            sealed_dirs = dict(zip(steps, await pipe.execute(raise_on_error=False)))
+        now = time.time()
+        gone = 0
+        for step, _, where in builds:
+            named = sealed_dirs.get(step)
+            if step >= trimmed and isinstance(named, bytes) and named.decode() == str(where):
+                continue  # a sealed batch's files
+            try:
+                idle = now - where.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if step < trimmed or named is not None or idle > stale_after:
+                await asyncio.to_thread(self.files.remove, where)
+                gone += 1
+        if gone:
+            log.info("removed %d orphaned batch build(s) from %s", gone, self.files.root)
+        return gone
 
     # --- claims: which replica generates which step --------------------------------
 

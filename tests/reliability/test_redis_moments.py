@@ -1,8 +1,8 @@
 """Redis killed -9 at each dangerous moment of a step: nothing skipped, nothing changed.
 
 The sampler runs with its drill pause points (services/sampler/drill.py): it stops exactly at
-a moment (a step's claim taken, its batch built but not sealed, its chunks written but not
-sealed, its seal acknowledged, a
+a moment (a step's claim taken, its batch built but not sealed, its first chunk file written
+and the rest not yet, its chunks written but not sealed, its seal acknowledged, a
 version about to be written, a version written but not yet answered), the drill kills Redis
 there, lets the sampler run on into the outage, and starts Redis again on the same port. A
 trainer on `SamplerClient` reads batch N, "trains", publishes N+1 throughout, retrying 503s.
@@ -54,14 +54,22 @@ AT = 3  # the step (or version) at which Redis is killed
 MOMENTS = {
     "claimed": ("claimed", None),
     "built": ("built", None),
-    # The chunks are in Redis, the seal not yet run: lossy, Redis comes back without them and
-    # the seal must find them missing and write them again, never seal a hole.
+    # During the chunk write: the first chunk file is durable, the others (if any) and the
+    # directory's fsync not yet; the sampler finishes them during the outage and seals once
+    # Redis is back.
+    "writing": ("writing", None),
+    # The chunks are stored, the seal not yet run. Lossy runs keep the chunks in Redis
+    # (batch_store = redis, the fallback): Redis comes back without them and the seal must
+    # find them missing and write them again, never seal a hole.
     "staged": ("staged", "built"),
     "sealed": ("sealed", "built"),
     "publishing": ("publishing", None),
     "published": ("published", "publishing"),
 }
 LOSSY = ("staged", "sealed", "published")
+# Lossy moments run with the chunks in Redis: with files nothing of a batch reaches Redis
+# between `built` and `staged`, and there would be nothing to lose.
+REDIS_CHUNKS = ("staged",)
 MAX_WAIT = 60.0
 
 
@@ -95,7 +103,8 @@ def moment_drill(tmp: Path, cleanup: Cleanup, moment: str, *, lossy: bool = Fals
         tmp / "sampler",
         process_env={"TANDEM_DRILL_PAUSE": ",".join(pauses), "TANDEM_DRILL_DIR": str(drill_dir), TOKEN_ENV: token},
         redis_url=redis_url, inference_urls=[standin.url], env="tests.support.envs:CountEnv", prompts_per_step=4,
-        num_generations=4, max_tokens=6, max_staleness=1, keep_batches=32)
+        num_generations=4, max_tokens=6, max_staleness=1, keep_batches=32,
+        batch_store="redis" if lossy and moment in REDIS_CHUNKS else "files")
     cleanup.add(lambda: stop_process(sampler))
     assert_guarded(sampler.url, "/status", "the sampler")
     assert_guarded(standin.url, "/v1/models", "the stand-in")

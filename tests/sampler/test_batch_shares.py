@@ -104,20 +104,21 @@ async def _output_bytes(client: aioredis.Redis) -> int:
 
 async def test_a_replica_reads_only_the_chunks_of_the_share_it_serves(make_sampler, namespace, tmp_path):
     """Batch 0 is sealed by sampler A; sampler B (same Redis, same namespace) did not seal it,
-    so it reads chunks from Redis to answer. What Redis sends while B answers rank r of 4 is
+    so it reads chunks from Redis to answer (batch_store = redis: tests/sampler/test_chunk_files.py
+    has the files' version). What Redis sends while B answers rank r of 4 is
     that rank's chunks (at most the share plus the two chunks its edges cut), not the batch.
     A private Redis: no other test's traffic is counted."""
     proc, url = start_redis(tmp_path / "redis")
     redis = aioredis.from_url(url)
     try:
-        a = make_sampler(redis_url=url, **SETTINGS)
+        a = make_sampler(redis_url=url, batch_store="redis", **SETTINGS)
         async with SamplerClient(a.url, poll_timeout=20) as client:
             whole = await client.get_batch_arrays(0, timeout=60)
         table = await _table(url, namespace)
         total_bytes = sum(b for _, b in table)
         biggest = max(b for _, b in table)
         assert len(table) >= 5, table
-        b = make_sampler(redis_url=url, **SETTINGS)
+        b = make_sampler(redis_url=url, batch_store="redis", **SETTINGS)
         async with SamplerClient(b.url, poll_timeout=5) as client:
             # B is up and has nothing sealed in memory: its answers come from Redis.
             assert (await client.get_batch_arrays(0, 0, 4, timeout=10)).num_samples == TOTAL // 4

@@ -119,10 +119,10 @@ async def test_a_batch_is_seen_whole_or_not_at_all(redis, namespace):
     class Forgetful(Store):
         writes = 0
 
-        async def _write_chunks(self, prefix, buffers):
+        async def _write_chunks(self, prefix, buffers, *args, **kwargs):
             self.writes += 1
             # The first write misses the last chunk, which is then not in Redis at the seal.
-            await super()._write_chunks(prefix, buffers if self.writes > 1 else buffers[:-1])
+            await super()._write_chunks(prefix, buffers if self.writes > 1 else buffers[:-1], *args, **kwargs)
 
     forgetful = Forgetful(redis, keys)
     assert await forgetful.seal(0, batch) == 1 and forgetful.writes == 2

@@ -142,6 +142,13 @@ async def _batch_response(store: Store, batch: SealedBatch, rank: int, world_siz
     parts = pieces(batch.table, start, stop)
     buffers = await store.read_chunks(batch, [p.index for p in parts])
     if buffers is None:
+        if batch.files is not None and await store.manifest(batch.step) is not None:
+            # Sealed and not trimmed, yet its files are not here: written where this sampler cannot see.
+            raise HTTPException(
+                status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "5"},
+                detail=f"batch {batch.step} is sealed, but its chunk files in {batch.files} are not readable here: "
+                "every sampler replica of a run must see one batch_dir at the same path (a shared filesystem), "
+                "or all must run with batch_store = redis (docs/sampler-api.md, 'How a batch is stored')")
         return None
     # Whole chunks are sent as stored; a chunk the share's edge cuts is re-encoded (at most
     # two per share, each at most a chunk's size).
