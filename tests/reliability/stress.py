@@ -19,6 +19,10 @@ Drills:
   version served, no staging directory left.
 * `external` / `embedded` (tests/reliability/test_redis_crash.py): Redis killed -9 after the
   trainer's third step, restarted by the drill (external) or the sampler's watchdog (embedded).
+* `hang` (tests/reliability/hang_drill.py): an inference server, Redis or the sampler frozen
+  with SIGSTOP mid-batch or mid-sync for 2-7 s, then thawed; the run number picks which, when
+  and how long. Each run checks long polls stay bounded, every step arrives once, every version
+  is published once, and no server is left paused or out of rotation.
 
 Every run's stack is closed, as every run is (issue 41), with a token of its own: the inference
 server or stand-in, the sampler (in its environment) and the trainer get it, every read the
@@ -48,7 +52,7 @@ from typing import Any
 from tests.reliability.support import Cleanup
 
 OUTAGES = (0.05, 0.3, 1.0, 1.5, 3.0, 6.0)
-DRILLS = ("moments", "trainer", "external", "embedded")
+DRILLS = ("moments", "trainer", "external", "embedded", "hang")
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
@@ -67,6 +71,11 @@ def describe(drill: str, i: int) -> str:
         moment = random_moment(i)
         return (f"killed at {moment['point']} {moment['step']}" if "point" in moment
                 else f"killed {moment['delay']:.2f}s after step {moment['step'] - 1}")
+    if drill == "hang":
+        from tests.reliability.hang_drill import variant
+
+        target, moment, freeze = variant(i)
+        return f"{target} frozen {moment} for {freeze:g}s"
     outage = OUTAGES[i % len(OUTAGES)]
     if drill != "moments":
         return f"outage {outage:.2f}s"
@@ -76,6 +85,7 @@ def describe(drill: str, i: int) -> str:
 
 
 def _run_one(drill: str, tmp: Path, i: int, model: Path | None) -> dict[str, Any]:
+    from tests.reliability import hang_drill as hang
     from tests.reliability import test_redis_crash as crash
     from tests.reliability import test_redis_moments as moments
     from tests.reliability import test_trainer_kills as kills
@@ -93,6 +103,8 @@ def _run_one(drill: str, tmp: Path, i: int, model: Path | None) -> dict[str, Any
             return {"recovered": crash.external_redis_drill(tmp, cleanup, outage)}
         if drill == "embedded":
             return {"recovered": crash.embedded_redis_drill(tmp, cleanup)}
+        if drill == "hang":
+            return hang.hang_drill(tmp, cleanup, *hang.variant(i))
         raise ValueError(f"unknown drill {drill!r}")
     finally:
         cleanup.run()
@@ -115,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drill", default="moments,trainer",
                         help="comma-separated, run one after the other (default moments,trainer). moments: Redis "
                              "killed at chosen moments; trainer: the trainer killed at chosen moments and rerun; "
-                             "external: a Redis the drill restarts; embedded: the sampler's watchdog restarts it")
+                             "external: a Redis the drill restarts; embedded: the sampler's watchdog restarts it; "
+                             "hang: an inference server, Redis or the sampler frozen (SIGSTOP) and thawed")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--load", type=int, default=2, help="busy processes running meanwhile (default 2)")
     parser.add_argument("--keep-going", action="store_true", help="do not stop at the first failure")
@@ -158,7 +171,8 @@ def _stress(args: argparse.Namespace) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
             waited = f", longest wait {result['max_wait']:.1f}s" if "max_wait" in result else ""
             done = "the rerun done in" if args.drill == "trainer" else "trainer done"
-            print(f"run {i + 1}/{args.runs}: {what} ok; {done} {result['recovered']:.1f}s after the restart"
+            after = "the thaw" if args.drill == "hang" else "the restart"
+            print(f"run {i + 1}/{args.runs}: {what} ok; {done} {result['recovered']:.1f}s after {after}"
                   f"{waited} ({time.monotonic() - t0:.0f}s in all)", flush=True)
     finally:
         load.stop()
@@ -176,7 +190,8 @@ def _stress(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, results: list[dict[str, Any]], failures: list[str], seconds: float) -> str:
     title = {"moments": "Redis killed -9 at chosen moments", "external": "Redis kill -9 drill (external)",
              "embedded": "Redis kill -9 drill (embedded)",
-             "trainer": "the trainer killed -9 at chosen moments, the same command rerun"}[args.drill]
+             "trainer": "the trainer killed -9 at chosen moments, the same command rerun",
+             "hang": "an inference server, Redis or the sampler frozen (SIGSTOP) at chosen moments, then thawed"}[args.drill]
     lines = [f"# Stress: {title}", "",
              f"Command: `make stress ARGS=\"--drill {args.drill} --runs {args.runs} --load {args.load}\"`", "",
              f"- runs passed in a row: **{len(results)}** of {args.runs} asked; failed: {len(failures)}",
@@ -189,11 +204,20 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]], failures: l
                      f"sampler's version (needing batches keep_batches alone would have trimmed): "
                      f"{sum(r['resumed_at'] < r['published_at_kill'] - 1 for r in results)}")
         lines.append("- moments: " + "; ".join(r["moment"] for r in results))
+    elif recoveries and args.drill == "hang":
+        from tests.reliability.hang_drill import FREEZES, MOMENTS, TARGETS
+
+        lines.append(f"- trainer's last step after the thaw: median {statistics.median(recoveries):.1f} s, "
+                     f"max {max(recoveries):.1f} s; longest a step waited on the sampler (fetch + publish): "
+                     f"{max(r['max_wait'] for r in results):.1f} s")
+        lines.append(f"- variants cycle through targets {', '.join(TARGETS)} x moments {', '.join(MOMENTS)}, "
+                     f"frozen for {', '.join(f'{f:g}' for f in FREEZES)} s; every run checks every step once, "
+                     "every version once, no server left paused or out of rotation")
     elif recoveries:
         lines.append(f"- trainer's last step after Redis's restart: median {statistics.median(recoveries):.1f} s, "
                      f"max {max(recoveries):.1f} s (outages cycle through {', '.join(str(o) for o in OUTAGES)} s)")
     waits = [r["max_wait"] for r in results if "max_wait" in r]
-    if waits:
+    if waits and args.drill == "moments":
         heals: dict[str, int] = {}
         for r in results:
             for how, n in r.get("heals", {}).items():
