@@ -1,4 +1,4 @@
-"""Hand-off: from a batch being built and sealed to the trainer holding it decoded, 1 MiB to 2 GiB.
+"""Hand-off: from a batch being built and sealed to the trainer holding it decoded, 1 MiB to 4 GiB.
 
 Real processes on loopback: a private redis-server per batch size (AOF on, `appendfsync
 always`: the embedded Redis's and compose's setting), the vLLM-protocol stand-in (it only
@@ -9,7 +9,10 @@ the trainer. Per measurement it publishes version N (it has read batch N-1, whic
 batch N-2), parks `GET /batch?step=N` (world_size 1, or one rank's share at world_size 8),
 then opens the strategy's gate for step N: the sampler builds batch N (synthetic samples
 whose token fields are numpy arrays already, as finished groups have them), packs it into
-group-aligned chunks, writes them to Redis, seals it and answers the parked request.
+group-aligned chunks, writes them to files under its run directory (each fsynced once:
+batch_store = files, the default), seals the manifest in Redis and answers the parked request.
+While it builds and seals, a process of its own pings Redis every 5 ms: the round trips say
+whether Redis stayed responsive to everything else while the batch was stored.
 
 Clocks, all wall time on this one host:
 * built: `stats.sealed_at`, which the producer stamps when the samples are done, before they
@@ -25,8 +28,10 @@ Sampler RSS: before each measured batch the peak is reset (`echo 5 > /proc/PID/c
 idle = VmRSS then, peak = VmHWM once the batch is decoded and the sampler has finished with it.
 
 Ceilings of the machine, measured first: one loopback TCP socket between two processes
-(sendall of 1 GiB from memory into recv_into a preallocated buffer), Redis SETs of 1 GiB in
-4 MiB values pipelined 8 per round trip (same redis-server settings), a 1 GiB memcpy.
+(sendall of 1 GiB from memory into recv_into a preallocated buffer), the disk (1 GiB as 4 MiB
+files, each written and fsynced, by one thread and by two, as the bulk store writes them),
+Redis SETs of 1 GiB in 4 MiB values pipelined 8 per round trip (same redis-server settings),
+a 1 GiB memcpy.
 
 `python -m bench handoff` (or `make bench ARGS=handoff`) runs everything (under 10 minutes on
 2 cores); `python -m bench.bench_handoff --quick` only 1 MiB and 64 MiB (and 256 MiB ceilings);
@@ -62,9 +67,11 @@ from shared.client import SamplerClient
 
 COMMAND = "make bench ARGS=handoff  (or .venv/bin/python -m bench handoff)"
 KIB, MIB, GIB = 1024, 1024 * 1024, 1024 * 1024 * 1024
-SIZES = (1 * MIB, 64 * MIB, 256 * MIB, 1 * GIB, 2 * GIB)
+SIZES = (1 * MIB, 64 * MIB, 256 * MIB, 1 * GIB, 2 * GIB, 4 * GIB)
 QUICK_SIZES = (1 * MIB, 64 * MIB)
-REPS = {1 * MIB: 20, 64 * MIB: 5, 256 * MIB: 3, 1 * GIB: 3, 2 * GIB: 2}
+REPS = {1 * MIB: 20, 64 * MIB: 5, 256 * MIB: 3, 1 * GIB: 3, 2 * GIB: 2, 4 * GIB: 1}
+# Sizes measured at world_size 1 only (memory: the sampler holds ~2x the batch at its peak).
+WHOLE_ONLY = (4 * GIB,)
 OLD_ENCODINGS = ("arrays", "msgpack", "json")
 OLD_SIZES = (1 * MIB, 64 * MIB)
 OLD_REPS = {1 * MIB: 10, 64 * MIB: 3}
@@ -270,9 +277,45 @@ def memcpy_ceiling(nbytes: int) -> dict[str, Any]:
     return out
 
 
+def _write_fsync(where: Path, data: bytes, indices: range) -> None:
+    for i in indices:
+        fd = os.open(where / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def disk_ceiling(tmp: Path, nbytes: int, file_bytes: int = 4 * MIB, reps: int = 2) -> dict[str, Any]:
+    """`nbytes` as `file_bytes` files, each written and fsynced, then the directory fsynced:
+    what the bulk store does (services/sampler/chunk_files.py), by one thread and by two."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = os.urandom(file_bytes)
+    count = max(1, nbytes // file_bytes)
+    out: dict[str, Any] = {"bytes": count * file_bytes, "file_bytes": file_bytes, "where": str(tmp), "reps": reps}
+    for threads in (1, 2):
+        times = []
+        for rep in range(reps):
+            where = tmp / f"disk-ceiling-{threads}-{rep}"
+            where.mkdir()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda k: _write_fsync(where, data, range(k, count, threads)), range(threads)))
+            fd = os.open(where, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            times.append(time.perf_counter() - t0)
+            shutil.rmtree(where)
+        out[f"GB_per_s_{threads}_threads"] = round(count * file_bytes / median(times) / 1e9, 3)
+        out[f"seconds_{threads}_threads"] = [round(t, 3) for t in times]
+    return out
+
+
 def measure_ceilings(tmp: Path, nbytes: int) -> dict[str, Any]:
-    return {"tcp_loopback": tcp_ceiling(nbytes), "redis_set": redis_ceiling(tmp, nbytes),
-            "memcpy": memcpy_ceiling(nbytes)}
+    return {"tcp_loopback": tcp_ceiling(nbytes), "disk_fsync": disk_ceiling(tmp, nbytes),
+            "redis_set": redis_ceiling(tmp, nbytes), "memcpy": memcpy_ceiling(nbytes)}
 
 
 # --- the measurement ----------------------------------------------------------------------
@@ -338,6 +381,66 @@ class Announcements:
         await self.proc.wait()
 
 
+_PINGER = """
+import sys, time
+import redis
+r = redis.Redis.from_url(sys.argv[1], socket_timeout=60)
+r.ping()
+print("ready", flush=True)
+while True:
+    at = time.time()
+    t0 = time.perf_counter()
+    r.ping()
+    print(repr(at), repr(time.perf_counter() - t0), flush=True)
+    time.sleep(0.005)
+"""
+
+
+class RedisPings:
+    """Redis round trips (PING) every 5 ms, by a process of its own, stamped with when each
+    was sent: `between(a, b)` is what anyone else using Redis saw while a batch was stored."""
+
+    def __init__(self, redis_url: str):
+        self.redis_url = redis_url
+        self.pings: list[tuple[float, float]] = []
+
+    async def __aenter__(self) -> RedisPings:
+        self.proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _PINGER, self.redis_url,
+                                                         stdout=asyncio.subprocess.PIPE)
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 30)
+        if line.strip() != b"ready":
+            raise RuntimeError(f"the Redis pinger did not start: {line!r}")
+        self.task = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            at, rtt = line.split()
+            self.pings.append((float(at), float(rtt)))
+
+    def between(self, start: float, end: float) -> list[float]:
+        """Round trips sent from `start` to `end`. The pinger waits for each answer before it
+        sends the next, so once a ping stamped after `end` is in, every one before has returned
+        and a stall cannot hide by never answering (the caller waits for that one)."""
+        return [rtt for at, rtt in self.pings if start <= at <= end]
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        if self.proc.returncode is None:
+            self.proc.terminate()
+        await self.proc.wait()
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+
+
 async def _done(client: SamplerClient, step: int, timeout: float = 300) -> None:
     """Wait until the sampler has finished building `step` (its on-sealed hooks included), so
     the next measurement does not share the CPU with them."""
@@ -387,8 +490,9 @@ class Trainer:
     timed by wrapping the client's own `get_batch_body`."""
 
     def __init__(self, url: str, sampler_pid: int, redis: aioredis.Redis, keys: Any, heard: Announcements,
-                 park_s: float, validate_max: int):
+                 park_s: float, validate_max: int, pings: RedisPings | None = None):
         self.url, self.pid, self.redis, self.keys, self.heard = url, sampler_pid, redis, keys, heard
+        self.pings = pings
         self.park_s, self.validate_max = park_s, validate_max
         self.received: dict[str, float] = {}
 
@@ -436,6 +540,15 @@ class Trainer:
         client_peak = _vm(me, "VmHWM")
         sealed = await sealed_task
         stall = await probe
+        # The pings sent while the batch was built, stored and sealed (the pinger's lines may
+        # trail by a few ms: wait for the first one stamped after the seal).
+        rtts: list[float] = []
+        if self.pings is not None:
+            for _ in range(200):
+                if self.pings.pings and self.pings.pings[-1][0] > sealed:
+                    break
+                await asyncio.sleep(0.01)
+            rtts = self.pings.between(gated, sealed)
         fields = await self.redis.hgetall(self.keys.batch(step))
         stored = SealedBatch.from_manifest(step, fields)
         await _done(client, step)
@@ -455,6 +568,8 @@ class Trainer:
             "samples": stored.num_samples, "share_samples": share_samples,
             "sampler_rss_idle": idle, "sampler_rss_peak": peak, "client_rss_idle": client_idle,
             "client_rss_peak": client_peak, "loop_stall_max": stall, "aof_rewrites": forks,
+            "redis_rtt_p99": _p99(rtts), "redis_rtt_max": max(rtts) if rtts else None, "redis_pings": len(rtts),
+            "store_failures": await _store_failures(client),
         }
         if encoding == "frames":
             t0 = time.perf_counter()
@@ -485,7 +600,8 @@ async def _measure(url: str, pid: int, redis_url: str, namespace: str, cases: li
     step = 0
     redis = aioredis.from_url(redis_url)
     heard = await Announcements(redis_url, keys.events).__aenter__()
-    trainer = Trainer(url, pid, redis, keys, heard, park_s, validate_max)
+    pings = await RedisPings(redis_url).__aenter__()
+    trainer = Trainer(url, pid, redis, keys, heard, park_s, validate_max, pings)
     try:
         for encoding, world_size in cases:
             rank = SHARE_RANK % world_size
@@ -512,8 +628,15 @@ async def _measure(url: str, pid: int, redis_url: str, namespace: str, cases: li
                   f"({out[-1]['case_seconds']} s)", flush=True)
     finally:
         await heard.__aexit__()
+        await pings.__aexit__()
         await redis.aclose()
     return out
+
+
+async def _store_failures(client: SamplerClient) -> int:
+    """The sampler's failed attempts at storing a built batch since it started (/status)."""
+    response = await client._http.request("GET", client.base_url + "/status", timeout=30.0)
+    return int(response.json()["steps"].get("store_failures", 0))
 
 
 def _p50(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -552,6 +675,12 @@ def _row(target: int, prompts: int, fsync: str, measured: dict[str, Any],
         "column_s": _p50(runs, "column"),
         "pydantic_validate_s": _p50(runs, "validate"),
         "redis_aof_rewrites": measured["redis_aof_rewrites"],
+        # Redis PING round trips while each batch was built, stored and sealed (another process).
+        "redis_rtt_p99_s": max((r["redis_rtt_p99"] for r in runs if r["redis_rtt_p99"] is not None), default=None),
+        "redis_rtt_max_s": max((r["redis_rtt_max"] for r in runs if r["redis_rtt_max"] is not None), default=None),
+        "redis_pings": sum(r["redis_pings"] for r in runs),
+        # Failed attempts at storing a batch, warm-ups included (0: every batch sealed at its first attempt).
+        "store_failures": runs[-1]["store_failures"],
         "case_seconds": measured["case_seconds"],
         # Per measured batch; aof_rewrites: Redis forks (AOF rewrites) from its publish to its end.
         "runs_s": [{**{k: round(r[k], 5) for k in ("sealed_to_decoded", "built_to_decoded", "to_response")},
@@ -615,7 +744,8 @@ def run(results_dir: Path, *, sizes: tuple[int, ...] | None = None, quick: bool 
             print(f"  {ceilings}", flush=True)
         with standin_process(tmp, 0.0) as standin:
             for size in sizes:
-                cases = [("frames", ws) for ws in world_sizes] + [(e, 1) for e in old_encodings if size in old_sizes]
+                cases = ([("frames", ws) for ws in world_sizes if ws == 1 or size not in WHOLE_ONLY]
+                         + [(e, 1) for e in old_encodings if size in old_sizes])
                 rows += _size_rows(tmp, standin.url, size, cases, "always", reps.get(size, 3),
                                    old_reps.get(size, 3), warmups, park_s, validate_max, sampler_settings)
             for size in everysec_sizes:
@@ -638,6 +768,13 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"name": name, "goal": goal, "value": value if row else None,
                     "met": bool(met) if row else None})
 
+    for size, name in ((2 * GIB, "2GiB"), (4 * GIB, "4GiB")):
+        r = cell(size)
+        target(f"sealed_in_one_attempt_at_{name}", r, r and r["store_failures"], "0 failed attempts at storing",
+               r and r["store_failures"] == 0)
+    r = cell(2 * GIB)
+    rtt = r and r["redis_rtt_p99_s"]
+    target("redis_rtt_p99_ms_during_2GiB_seal", r, rtt and round(rtt * 1e3, 2), "<= 50 ms", rtt is not None and rtt <= 0.05)
     for size, name in ((64 * MIB, "64MiB"), (GIB, "1GiB")):
         r = cell(size)
         target(f"built_to_decoded_GB_per_s_at_{name}", r,
@@ -682,6 +819,7 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
                   "sampler": {"batch_chunk_bytes": 4 * MIB, "batch_cache_bytes": CACHE_BYTES, "keep_batches": 1,
                               "rollout_log": False, "max_staleness": 1},
                   "redis": "redis-server, one per batch size: appendonly yes, appendfsync always, save ''",
+                  "chunks": "files under the sampler's run directory, each fsynced once (batch_store = files)",
                   "share_rank": SHARE_RANK},
         "rows": rows,
         "targets": targets,
@@ -700,8 +838,9 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
         "",
         f"A fresh sampler per size builds batches of synthetic samples ({result['setup']['sample']}) through "
         "its own producer (token fields typed already, so packing into 4 MiB group-aligned chunks is the one "
-        "copy), writes the chunks to Redis (`appendfsync always`), seals them and answers a parked `GET /batch` "
-        "from memory. The Parquet rollout log is off (`rollout_log = false`): it is a producer hook after "
+        "copy), writes the chunks to files under its run directory (each fsynced once: `batch_store = files`), "
+        "seals the manifest in Redis (`appendfsync always`) and answers a parked `GET /batch` from memory. "
+        "4 GiB is measured at world size 1 only (the sampler's peak is about twice the batch). The Parquet rollout log is off (`rollout_log = false`): it is a producer hook after "
         "each seal that would dominate the sampler's CPU and RSS at 1-2 GiB. `batch_cache_bytes` = 3 GiB, "
         "`keep_batches` = 1 (Redis holds at most the batch before and this one).",
         "",
@@ -712,8 +851,9 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
         "",
         "| batch | enc | ws | samples (share) | body | reps | sealed->decoded p50 ms | GB/s | built->decoded "
         "p50 ms | GB/s | pack+seal ms | to response ms | decode ms | sampler RSS idle -> peak (x batch) "
-        "| loop stall ms | samples() ms | column ms | + pydantic ms | AOF rewrites |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loop stall ms | samples() ms | column ms | + pydantic ms | AOF rewrites | Redis RTT p99 / max ms "
+        "| store failures |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["appendfsync"] != "always":
@@ -727,12 +867,13 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
             f"{_ms(legs['decode'])} | {label(r['sampler_rss_idle_bytes'])} -> {label(r['sampler_rss_peak_bytes'])} "
             f"({r['sampler_rss_peak_above_idle_x_batch']}) | {_ms(r['sampler_loop_stall_max_s'])} | "
             f"{_ms(r['samples_dicts_s'])} | {_ms(r['column_s'])} | {_ms(r['pydantic_validate_s'])} | "
-            f"{sum(x['aof_rewrites'] for x in r['runs_s'])} |")
+            f"{sum(x['aof_rewrites'] for x in r['runs_s'])} | {_ms(r.get('redis_rtt_p99_s'))} / "
+            f"{_ms(r.get('redis_rtt_max_s'))} | {r.get('store_failures')} |")
     lines += [
         "",
         "GB/s = the stored batch (at ws 8: the share's body) / the p50, 1 GB = 1e9 bytes. Legs (p50): "
-        "pack+seal = built -> sealed (summarize_batch, codec.with_arrays, packing.pack, the chunks' Redis "
-        "write with its fsyncs, the seal script); to response = sealed -> body received (wake-up, chunks from "
+        "pack+seal = built -> sealed (summarize_batch, codec.with_arrays, packing.pack, the chunk files' "
+        "writes with their fsyncs, the seal script); to response = sealed -> body received (wake-up, chunks from "
         "memory, HTTP transfer into the client's buffer); decode = body received -> decoded. Sampler RSS: "
         "VmRSS before the build -> VmHWM after it (reset with clear_refs before each batch); x batch = the "
         "largest (peak - idle) / batch. Loop stall = the slowest `GET /health` (answered from memory, polled "
@@ -741,8 +882,11 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
         "samples() = `BatchArrays.samples()` (sample dicts); column = `BatchArrays.column('completion_token_ids')`; "
         "+ pydantic = `Batch.model_validate` of the dict form (only up to 64 MiB). AOF rewrites = the Redis "
         "forks (auto-aof-rewrite, Redis's default, as the embedded Redis has it) during the measured batches: "
-        "each rewrites the whole dataset while the batch is being served. Per-batch numbers are in the JSON "
-        "(`runs_s`).",
+        "each rewrites the whole dataset while the batch is being served. Redis RTT = PING round trips "
+        "every 5 ms from a process of its own, sent between the gate's opening and the seal's announcement "
+        "(the worst p99 of the measured batches, and the slowest). Store failures = attempts at storing a "
+        "built batch that failed, over the sampler's life (warm-ups included): 0 = every batch sealed at its "
+        "first attempt. Per-batch numbers are in the JSON (`runs_s`).",
         "",
         "The seal's subscriber is a process of its own; on a loaded 2-core machine its stamp can still come "
         "a millisecond late, which shows as a sealed -> decoded of about 0 in a few 1 MiB batches.",
@@ -801,12 +945,17 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
     lines.append("")
     if ceilings:
         tcp, rs, mc = ceilings["tcp_loopback"], ceilings["redis_set"], ceilings["memcpy"]
+        disk = ceilings.get("disk_fsync")
         lines += [f"**This machine's ceilings** ({label(tcp['bytes'])}):", "",
                   f"* loopback TCP, one socket, two processes (sendall from memory -> recv_into): "
                   f"{tcp['GB_per_s']} GB/s into a prefaulted buffer, {tcp['GB_per_s_fresh_buffer']} GB/s into a "
                   "fresh `shared.chunks.alloc` buffer (page faults: what the client pays; a MAP_SHARED mapping, so "
                   f"no huge pages), {tcp['GB_per_s_fresh_private_buffer']} GB/s into a fresh MAP_PRIVATE one "
                   "with huge pages;",
+                  *([f"* disk, {label(disk['file_bytes'])} files each written and fsynced (as the bulk store "
+                     f"writes chunks), in {disk['where']}: {disk['GB_per_s_1_threads']} GB/s by one thread, "
+                     f"{disk['GB_per_s_2_threads']} GB/s by two (runs: {disk['seconds_1_threads']} s, "
+                     f"{disk['seconds_2_threads']} s);"] if disk else []),
                   f"* Redis SET, {label(rs['value_bytes'])} values, {rs['per_round_trip']} per round trip, AOF on: "
                   f"{rs['GB_per_s_always']} GB/s with appendfsync always, {rs['GB_per_s_everysec']} GB/s with everysec;",
                   f"* memcpy in one process: {mc['GB_per_s_fresh_buffer']} GB/s into a fresh `alloc` buffer, "
