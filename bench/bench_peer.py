@@ -87,7 +87,7 @@ def max_tokens_of(settings, env) -> int:
 def train_prompts(settings, env) -> list[Any]:
     """The demo's train prompts in the order its sampler hands them out: prompt slot j of step N is
     train[order[N * prompts_per_step + j]] (services/sampler/sources.py), order seeded with the seed."""
-    from services.sampler.rollout import DatasetOrder
+    from services.sampler.seeds import DatasetOrder
 
     train = list(env.examples("train"))
     order = DatasetOrder(len(train), settings.seed)

@@ -28,13 +28,11 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from services.inference.engine import RequestError
+from services.inference.engine import Engine
+from services.inference.request_error import RequestError
 from shared.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-if TYPE_CHECKING:
-    from services.inference.engine import Engine
 
 log = logging.getLogger("tandem.inference.adapters")
 

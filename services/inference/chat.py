@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.inference import protocol as P
-from services.inference.engine import RequestError
+from services.inference.request_error import RequestError
 from services.inference.tokenizer import template_messages
 
 # What a caller who wanted a forced call can do instead; vLLM forces one with guided decoding.

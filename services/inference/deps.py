@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
-from services.inference.engine import Engine, RequestError
+from services.inference.engine import Engine
+from services.inference.request_error import RequestError
 
 if TYPE_CHECKING:
     from services.inference.adapters import Adapter, Adapters

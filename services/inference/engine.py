@@ -40,28 +40,35 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from services.inference import kvcache, weights_load
 from services.inference.metrics import InferenceMetrics
+from services.inference.request_error import RequestError
 from services.inference.sampling import RowParams, sample
-
-if TYPE_CHECKING:
-    from services.inference.adapters import Adapter, Adapters
 
 log = logging.getLogger("tandem.inference.engine")
 
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-class RequestError(ValueError):
-    """Bad input: the HTTP layer answers it with `status` and an OpenAI-style error body."""
+class Adapter(Protocol):
+    """A LoRA adapter a request names (adapters.py's `Adapter`); hashable. `slot` is where its
+    weights are now, None once unloaded. Declared here: the engine runs adapters, adapters.py
+    loads them through the engine, and only adapters.py imports the other."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+    @property
+    def slot(self) -> str | None: ...
+
+
+class Adapters(Protocol):
+    """The adapters a server serves (adapters.py's `Adapters`), as the engine uses them."""
+
+    def forward(self, adapters: list[Any], **kwargs: Any) -> Any: ...
+
+    def base_parameters(self) -> dict[str, torch.nn.Parameter]: ...
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.inference import protocol as P
-from services.inference.engine import RequestError
+from services.inference.request_error import RequestError
 
 log = logging.getLogger("tandem.inference.server")
 

@@ -1,10 +1,6 @@
-"""From prompts to scored groups: dataset order, requests, rewards, advantages (answers are
-parsed in completions.py; multi-turn trajectories run in multiturn/).
-
-Dataset order is a pure function of (seed, global prompt index): index i lives in epoch
-i // len(dataset), and each epoch is a fresh seeded permutation. Batch N's prompts are
-indices N*P .. N*P+P-1 (P = prompts_per_step), so a restarted sampler regenerates
-exactly the prompts an uninterrupted one would have, with no cursor to persist.
+"""From prompts to scored groups: requests, rewards, advantages (answers are parsed in
+completions.py; multi-turn trajectories run in multiturn/; the dataset order and every seed
+come from seeds.py).
 
 Non-finite numbers never travel. A token whose behaviour logprob the server sent as null,
 NaN or infinite is masked out of the loss (`loss_mask` 0, stored logprob 0.0) in
@@ -17,7 +13,6 @@ are counted in `NonFiniteCounts` (/metrics, /status) and logged.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import time
@@ -39,6 +34,7 @@ from services.sampler.multiturn.trajectories import (
     GroupFailed, group_trajectories, note_fault, reward_timeout, score, trajectory,
 )
 from services.sampler.multiturn.workers import Workers
+from services.sampler.seeds import DatasetOrder, derive_seed
 from shared import codec
 from shared.contract import staleness
 from shared.wire import BatchStats, new_sample
@@ -59,29 +55,6 @@ _SAMPLE_KEYS = frozenset((
     "reward", "rewards", "advantage", "policy_version", "finish_reason", "use_count", "env", "sample_index",
     "versions", "prompt_text", "completion_text",
 ))
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 31-bit seed from any parts (Python's hash() is salted per process)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
-class DatasetOrder:
-    def __init__(self, size: int, seed: int):
-        if size <= 0:
-            raise ValueError("the environment's dataset is empty")
-        self.size = size
-        self.seed = seed
-        self._perms: dict[int, np.ndarray] = {}
-
-    def __getitem__(self, index: int) -> int:
-        epoch, offset = divmod(index, self.size)
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
-            self._perms = {epoch: perm}  # only the current epoch is ever needed again
-        return int(perm[offset])
 
 
 @dataclass

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.sampler.curriculum import Curriculum
-from services.sampler.rollout import ENV_FAILED, DatasetOrder, Group, Rollouts, derive_seed
+from services.sampler.rollout import ENV_FAILED, Group, Rollouts
+from services.sampler.seeds import DatasetOrder, derive_seed
 
 log = logging.getLogger("tandem.sampler.sources")
 

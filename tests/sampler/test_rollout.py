@@ -15,7 +15,7 @@ from services.sampler.inference_pool import (
     WentBackwards,
 )
 from services.sampler.completions import parse_completions
-from services.sampler.rollout import DatasetOrder
+from services.sampler.seeds import DatasetOrder
 from shared.http_client import HttpClient
 
 

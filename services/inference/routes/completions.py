@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from services.inference import protocol as P
 from services.inference.chat import check_tools, parses_tool_calls, render_chat
 from services.inference.deps import EngineDep, Served
-from services.inference.engine import RequestError
+from services.inference.request_error import RequestError
 from services.inference.routes.common import (
     json_answer,
     text_decoder,

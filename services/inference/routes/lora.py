@@ -19,7 +19,8 @@ from fastapi.responses import PlainTextResponse
 from services.inference import protocol as P
 from services.inference.adapters import DISABLED, Adapters
 from services.inference.deps import EngineDep, Served
-from services.inference.engine import Engine, RequestError
+from services.inference.engine import Engine
+from services.inference.request_error import RequestError
 
 router = APIRouter(tags=["lora"])
 

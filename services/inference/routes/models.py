@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from services.inference import protocol as P
 from services.inference.chat import check_tools, render_chat
 from services.inference.deps import EngineDep, Served
-from services.inference.engine import RequestError
+from services.inference.request_error import RequestError
 
 router = APIRouter(tags=["models"])
 

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Query
 
 from services.inference import protocol as P
 from services.inference.deps import EngineDep
-from services.inference.engine import RequestError
+from services.inference.request_error import RequestError
 from services.inference.vllm_ext import RELOAD_METHOD
 
 router = APIRouter(tags=["weights"])

@@ -14,16 +14,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from services.sampler.envs.base import Completion, Example
-from services.sampler.inference_pool import InferenceError
+from services.sampler.envs.base import Completion, Environment, Example
+from services.sampler.inference_pool import InferenceError, InferencePool
 from services.sampler.multiturn.conversation import EnvFault, Limits, run_conversation
-
-if TYPE_CHECKING:
-    from services.sampler.rollout import Rollouts
+from services.sampler.multiturn.render import ChatRenderer
+from services.sampler.multiturn.stats import EnvStats
+from services.sampler.multiturn.workers import Workers
+from services.sampler.seeds import derive_seed
 
 log = logging.getLogger("tandem.sampler.multiturn")
+
+
+class Rollouts(Protocol):
+    """What a trajectory needs from the rollouts that run it (services/sampler/rollout.py's
+    `Rollouts` is one): the environment and its bounds, the model's limits, and a way to
+    generate. Declared here, so that trajectories need not import the rollout that uses them."""
+
+    env: Environment
+    env_stats: EnvStats
+    env_retries: int
+    env_timeout: float
+    max_tokens: int
+    renderer: ChatRenderer
+    workers: Workers
+    pool: InferencePool
+
+    async def context_length(self) -> int | None: ...
+
+    async def generate(self, prompt: str | list[int], *, n: int, min_version: int = 0, session: str | None = None,
+                       **sampling: Any) -> list[Completion]: ...
 
 Scored = tuple[float, dict[str, float]]
 
@@ -60,8 +81,6 @@ async def score(rollouts: Rollouts, example: Example, completion: Completion) ->
 async def trajectory(rollouts: Rollouts, example: Example, label: str, *, min_version: int, seed: int,
                      sampling: dict[str, Any]) -> tuple[Completion, Scored]:
     """One trajectory `label`, retried; its completion and its score."""
-    from services.sampler.rollout import derive_seed
-
     env = rollouts.env
     episodic = getattr(env, "run_trajectory", None)  # an environment that runs its own episodes (vf/)
     if episodic is None:

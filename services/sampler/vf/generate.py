@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.sampler.completions import parse_generate
 from services.sampler.inference_pool import InferenceRequestError, InferenceUnavailable
-from services.sampler.rollout import derive_seed
+from services.sampler.seeds import derive_seed
 from services.sampler.vf.sessions import Call, Sessions
 
 if TYPE_CHECKING:
