@@ -38,9 +38,8 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
@@ -48,98 +47,11 @@ from services.inference import kvcache, weights_load
 from services.inference.metrics import InferenceMetrics
 from services.inference.request_error import RequestError
 from services.inference.sampling import RowParams, sample
+from services.inference.sequences import Adapter, Adapters, Output, PromptLogprobs, SamplingParams, Sequence
 
 log = logging.getLogger("tandem.inference.engine")
 
 PauseMode = Literal["abort", "wait", "keep"]
-
-
-class Adapter(Protocol):
-    """A LoRA adapter a request names (adapters.py's `Adapter`); hashable. `slot` is where its
-    weights are now, None once unloaded. Declared here: the engine runs adapters, adapters.py
-    loads them through the engine, and only adapters.py imports the other."""
-
-    @property
-    def slot(self) -> str | None: ...
-
-
-class Adapters(Protocol):
-    """The adapters a server serves (adapters.py's `Adapters`), as the engine uses them."""
-
-    def forward(self, adapters: list[Any], **kwargs: Any) -> Any: ...
-
-    def base_parameters(self) -> dict[str, torch.nn.Parameter]: ...
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token's plus the top k
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None  # None: none; k >= 0: the prompt token's plus the top k
-
-
-# One prompt position: (token id, logprob, rank) for the prompt token first, then the top k
-# (the prompt token appears once even when it is among them, as in vLLM).
-PromptLogprobs = list[list[tuple[int, float, int]]]
-
-
-@dataclass
-class VersionSpan:
-    """Output tokens [start, end) were sampled with weights labelled `version`."""
-
-    version: str
-    start: int
-    end: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "start": self.start, "end": self.end}
-
-
-@dataclass
-class Output:
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str  # "stop" | "length" | "abort"
-    stop_reason: str | int | None
-    weight_versions: list[VersionSpan]
-    # Positions 1..len(prompt)-1 (position 0 has no logprob); None when not requested.
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-@dataclass(eq=False)
-class _Sequence:
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    future: asyncio.Future
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    spans: list[VersionSpan] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    text: str | None = None  # set when a stop string cut the text
-    checked_chars: int = 0  # decoded length already searched for stop strings
-    cancelled: bool = False  # the client went away; dropped at the next step
-    prompt_logprobs: PromptLogprobs | None = None
-    adapter: Adapter | None = None  # None: the base model
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.cancelled
 
 
 class Engine:
@@ -180,8 +92,8 @@ class Engine:
         self._work = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._rows: list[_Sequence] = []  # row i of self._batch
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._rows: list[Sequence] = []  # row i of self._batch
         self._batch: kvcache.Batch | None = None
         self._paused = False
         self._admitting = True
@@ -301,7 +213,7 @@ class Engine:
         for i in range(n):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator().manual_seed(seed % (2**63))
-            seqs.append(_Sequence(list(prompt_ids), params, gen, loop.create_future(), adapter=adapter))
+            seqs.append(Sequence(list(prompt_ids), params, gen, loop.create_future(), adapter=adapter))
         self._waiting.extend(seqs)
         self._work.set()
         try:
@@ -393,10 +305,10 @@ class Engine:
             # Let HTTP handlers run between steps even when the worker answers instantly.
             await asyncio.sleep(0)
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[Sequence]:
         room = self.max_num_seqs - self.num_running
         budget = self.max_num_batched_tokens
-        admitted: list[_Sequence] = []
+        admitted: list[Sequence] = []
         prompts: set[tuple[int, ...]] = set()
         while self._waiting and room > 0:
             seq = self._waiting[0]
@@ -414,12 +326,12 @@ class Engine:
             room -= 1
         return admitted
 
-    def _resolve(self, seq: _Sequence) -> None:
+    def _resolve(self, seq: Sequence) -> None:
         if seq.future.done():
             return
         self.stats["finished"] += 1
         self.metrics.on_finish(seq.finish_reason or "abort")
-        seq.future.set_result(self._output(seq))
+        seq.future.set_result(seq.output(self.tokenizer))
 
     def _abort_all(self) -> None:
         for seq in [*self._rows, *self._waiting]:
@@ -437,7 +349,7 @@ class Engine:
 
     # ----------------------------------------------------------------- worker thread
 
-    def _step(self, new: list[_Sequence], label: str) -> tuple[list[_Sequence], int, int]:
+    def _step(self, new: list[Sequence], label: str) -> tuple[list[Sequence], int, int]:
         with torch.inference_mode():
             self._compact()
             parts = []
@@ -459,7 +371,7 @@ class Engine:
         for i, seq in enumerate(self._rows):
             if seq.done:
                 continue
-            self._append(seq, result.tokens[i], result.logprobs[i], result.top[i], label)
+            seq.append(result.tokens[i], result.logprobs[i], result.top[i], label, self.eos_ids, self.tokenizer)
             if seq.finish_reason is not None:
                 finished.append(seq)
         return finished, len(self._rows), prompt_tokens
@@ -492,10 +404,10 @@ class Engine:
         )
         return out.logits[:, -1].float()
 
-    def _prefill(self, seqs: list[_Sequence]) -> tuple[kvcache.Batch, torch.Tensor, int]:
+    def _prefill(self, seqs: list[Sequence]) -> tuple[kvcache.Batch, torch.Tensor, int]:
         # GRPO sends n copies of a prompt: prefill each distinct (prompt, adapter) once.
         unique: dict[tuple[tuple[int, ...], Adapter | None], int] = {}
-        firsts: list[_Sequence] = []  # one sequence per distinct (prompt, adapter): its row
+        firsts: list[Sequence] = []  # one sequence per distinct (prompt, adapter): its row
         index = []
         for s in seqs:
             key = (tuple(s.prompt_ids), s.adapter)
@@ -522,7 +434,7 @@ class Engine:
         )
         return batch, logits, sum(len(p) for p in prompts)
 
-    def _fill_prompt_logprobs(self, seqs: list[_Sequence]) -> None:
+    def _fill_prompt_logprobs(self, seqs: list[Sequence]) -> None:
         # Rare (the sampler's post-sync probe, scoring): a forward of its own per distinct
         # prompt, unpadded and with every position's logits, rather than widening the batched
         # prefill (which keeps only the last position's logits).
@@ -536,7 +448,7 @@ class Engine:
                 done[key] = self._prompt_logprobs(seq, k)
             seq.prompt_logprobs = done[key]
 
-    def _prompt_logprobs(self, seq: _Sequence, k: int) -> PromptLogprobs:
+    def _prompt_logprobs(self, seq: Sequence, k: int) -> PromptLogprobs:
         ids = torch.tensor([seq.prompt_ids], dtype=torch.long)
         logits = self._forward([seq], input_ids=ids, use_cache=False).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -555,13 +467,13 @@ class Engine:
             out.append(entries)
         return out
 
-    def _forward(self, seqs: list[_Sequence], **kwargs: Any) -> Any:
+    def _forward(self, seqs: list[Sequence], **kwargs: Any) -> Any:
         """The model's forward over one row per sequence, each with its adapter."""
         if self.adapters is None:
             return self.model(**kwargs)
         return self.adapters.forward([s.adapter for s in seqs], **kwargs)
 
-    def _row_params(self, seq: _Sequence) -> RowParams:
+    def _row_params(self, seq: Sequence) -> RowParams:
         p = seq.params
         banned: tuple[int, ...] = ()
         if len(seq.token_ids) < p.min_tokens:
@@ -569,57 +481,6 @@ class Engine:
         return RowParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, generator=seq.generator,
             num_top_logprobs=p.logprobs, banned=banned,
-        )
-
-    def _append(self, seq: _Sequence, token: int, logprob: float, top, label: str) -> None:
-        seq.token_ids.append(token)
-        seq.logprobs.append(logprob)
-        if top is not None:
-            seq.top.append(top)
-        n = len(seq.token_ids)
-        if seq.spans and seq.spans[-1].version == label:
-            seq.spans[-1].end = n
-        else:
-            seq.spans.append(VersionSpan(label, n - 1, n))
-        p = seq.params
-        if token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif not p.ignore_eos and token in self.eos_ids:
-            seq.finish_reason = "stop"
-        elif p.stop and self._check_stop_strings(seq):
-            pass
-        elif n >= p.max_tokens:
-            seq.finish_reason = "length"
-
-    def _check_stop_strings(self, seq: _Sequence) -> bool:
-        text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        longest = max(len(s) for s in seq.params.stop)
-        # Only text that is new since the last check (plus a stop string's overlap) can hold a new match.
-        window_start = max(0, seq.checked_chars - longest + 1)
-        seq.checked_chars = len(text)
-        hits = [(text.find(s, window_start), s) for s in seq.params.stop if s]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        at, stop = min(hits)
-        cut = at + len(stop) if seq.params.include_stop_str_in_output else at
-        seq.text = text[:cut]
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
-
-    def _output(self, seq: _Sequence) -> Output:
-        text = seq.text
-        if text is None:
-            text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        return Output(
-            token_ids=list(seq.token_ids),
-            text=text,
-            logprobs=list(seq.logprobs),
-            top_logprobs=list(seq.top) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason or "abort",
-            stop_reason=seq.stop_reason,
-            weight_versions=[VersionSpan(s.version, s.start, s.end) for s in seq.spans],
-            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def _load_weights(self, path: Path) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.inference import protocol as P
-from services.inference.engine import Output, SamplingParams
+from services.inference.sequences import Output, SamplingParams
 from services.inference.request_error import RequestError
 from services.inference.streaming import text_deltas
 

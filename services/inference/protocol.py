@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.inference.engine import Output, SamplingParams
+from services.inference.sequences import Output, SamplingParams
 from services.inference.request_error import RequestError
 from services.inference.tokenizer import message_text
 from shared.toolcalls import parse_tool_calls

@@ -29,7 +29,7 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from services.inference import protocol as P
-from services.inference.engine import Output
+from services.inference.sequences import Output
 
 DONE = b"data: [DONE]\n\n"
 

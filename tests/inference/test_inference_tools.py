@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from services.inference import protocol as P
-from services.inference.engine import Output, VersionSpan
+from services.inference.sequences import Output, VersionSpan
 from services.inference.testing import ServerHandle, running_server
 from services.inference.tokenizer import TOOL_INSTRUCTION
 from shared.toolcalls import format_tool_call
