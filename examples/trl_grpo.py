@@ -48,6 +48,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--publish-dir", default=None, help="where versions go (default: OUTPUT_DIR/published)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train a LoRA adapter of this rank (TRL's peft_config); versions are published as adapters")
+    p.add_argument("--lora-target-modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="comma-separated layers that get the adapter (the demo passes its own: docs/lora.md)")
     p.add_argument("--report-to", default="none",
                    help="TRL's report_to: wandb and/or tensorboard (comma-separated), or none (docs/tracking.md)")
     p.add_argument("--run-name", default=None,
@@ -109,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.lora_rank:
         from peft import LoraConfig
 
-        # The attention and MLP projections: what vLLM serves adapters on (docs/lora.md).
+        # By default the attention and MLP projections: what vLLM serves adapters on (docs/lora.md).
         peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"])
+                                 target_modules=args.lora_target_modules.split(","))
     trainer = TandemGRPOTrainer(args.model, args=config, sampler_url=args.sampler_url, api_token=args.api_token,
                                 publish_dir=args.publish_dir, eval_examples=args.eval_examples,
                                 peft_config=peft_config)

@@ -15,7 +15,8 @@ write the same directory in a fraction of a second. The JSON files are byte for 
 tests/inference/test_inference_init_model.py compares them with what the installed transformers
 writes, so a format change there fails a test rather than going unnoticed. The weights are drawn
 as transformers' `_init_weights` draws a Llama's: every Linear and the embedding from
-Normal(0, INITIALIZER_RANGE) in float32, the embedding's pad row zero, every RMSNorm weight 1;
+Normal(0, INITIALIZER_RANGE) in float32 (but `tiny-lora`'s embedding and untied head: EMBED_STD,
+HEAD_STD), the embedding's pad row zero, every RMSNorm weight 1;
 from `numpy.random.default_rng(seed)` in the order `_weights` documents, so the same seed gives
 bit-identical weights (under one numpy release: NEP 19 lets Generator streams change between
 releases), though not the values torch's generator gave before.
@@ -40,6 +41,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2},
 }
+# The model a LoRA demo trains (docs/lora.md, "Why the tiny model needs its own head"): `tiny`'s
+# layers, drawn alike, with the two parts an adapter cannot train sized for a width of 64 rather
+# than left at INITIALIZER_RANGE, which is sized for widths near 1000.
+# * An untied LM head of std 0.15: a tied head of std 0.02 lets no hidden state give any token
+#   more than ~3.5% (|logit| <= 0.02 * sqrt(64) * sqrt(64) ~ 1.3 nats); at 0.15 the frozen head
+#   can give the answer letter ~0.99 (measured by gradient ascent over the final hidden state).
+# * Embeddings of std 1/sqrt(64) = 0.125: at 0.02 the last digit's embedding (norm ~0.16) is
+#   smaller than what the layers add from the shared prompt text (~0.2), so every prompt's final
+#   state points the same way (mean cosine 0.55 against 0.17 at 0.125) and an adapter's first
+#   gains say one letter for every number: the sampled policy collapsed onto it and stayed.
+#   Untied because a tied head of that size would echo the last digit (~8 nats ahead).
+PRESETS["tiny-lora"] = dict(PRESETS["tiny"])
+EMBED_STD = {"tiny-lora": 0.125}  # presets whose embedding is not drawn at INITIALIZER_RANGE
+HEAD_STD = {"tiny-lora": 0.15}  # presets with an untied LM head, and its std
 MAX_POSITIONS = 2048
 HEAD_DIM = 32
 INITIALIZER_RANGE = 0.02
@@ -60,7 +75,7 @@ def build_config(preset: str, tokenizer) -> Any:
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=RMS_NORM_EPS,
         rope_theta=ROPE_THETA,
-        tie_word_embeddings=True,
+        tie_word_embeddings=preset not in HEAD_STD,
         initializer_range=INITIALIZER_RANGE,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -106,7 +121,7 @@ def config_json(preset: str) -> dict[str, Any]:
         "pretraining_tp": 1,
         "rms_norm_eps": RMS_NORM_EPS,
         "rope_parameters": {"rope_theta": ROPE_THETA, "rope_type": "default"},
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": preset not in HEAD_STD,
         "transformers_version": TRANSFORMERS_VERSION,
         "use_cache": True,
         "vocab_size": vocab_size,
@@ -126,7 +141,10 @@ def _weights(preset: str, seed: int) -> dict[str, Any]:
     embeddings: no lm_head.weight). Drawn from one `numpy.random.default_rng(seed)` stream in
     this order, which is part of what the seed means: the embedding, then for each layer q_proj,
     k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (each a whole [out, in] matrix of
-    standard normals, scaled by INITIALIZER_RANGE). Norm weights are ones and draw nothing."""
+    standard normals, scaled by INITIALIZER_RANGE), then for a preset with an untied head
+    (HEAD_STD) lm_head. Norm weights are ones and draw nothing. The embedding is scaled by
+    EMBED_STD where a preset has one; so `tiny-lora` seed S is `tiny` seed S with its embedding
+    scaled and a head added."""
     import numpy as np
 
     p = PRESETS[preset]
@@ -139,7 +157,7 @@ def _weights(preset: str, seed: int) -> dict[str, Any]:
     def normal(*shape: int) -> Any:
         return rng.standard_normal(shape, dtype=np.float32) * std
 
-    embed = normal(vocab_size, hidden)
+    embed = normal(vocab_size, hidden) * np.float32(EMBED_STD.get(preset, INITIALIZER_RANGE) / INITIALIZER_RANGE)
     embed[pad_id] = 0.0  # as nn.Embedding(padding_idx=pad_token_id) is initialised
     tensors = {"model.embed_tokens.weight": embed, "model.norm.weight": np.ones(hidden, np.float32)}
     shapes = {"self_attn.q_proj": (q_dim, hidden), "self_attn.k_proj": (kv_dim, hidden),
@@ -152,6 +170,9 @@ def _weights(preset: str, seed: int) -> dict[str, Any]:
             tensors[f"{prefix}{name}.weight"] = normal(*shape)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"{prefix}{norm}.weight"] = np.ones(hidden, np.float32)
+    if preset in HEAD_STD:
+        tensors["lm_head.weight"] = rng.standard_normal((vocab_size, hidden), dtype=np.float32) * np.float32(
+            HEAD_STD[preset])
     return tensors
 
 
