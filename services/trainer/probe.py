@@ -11,6 +11,7 @@ takes a server that disagrees out of rotation. One forward of at most `probe_tok
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -80,3 +81,24 @@ def compute_probe_as_published(model: Any, token_ids: list[int], dtype: torch.dt
     compute = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     with compute:
         return compute_probe(model, token_ids, DTYPE_NAMES.get(dtype))
+
+
+async def probe_live_weights(ids: list[int] | None, model: Any, dtype: torch.dtype, sharding: Any, *, is_main: bool,
+                             in_thread: Callable[..., Awaitable[Any]]) -> dict[str, Any] | None:
+    """The probe of the live model in the publish dtype, on the trainer's torch thread
+    (`in_thread`): rank 0's (None elsewhere; `ids` are rank 0's). Under fsdp the forward is a
+    collective, so every rank runs it on rank 0's ids."""
+    collective = sharding.kind == "fsdp"
+    if collective:
+        ids = await in_thread(sharding.broadcast_object, ids)
+    if ids is None or not (collective or is_main):
+        return None
+
+    def probe_in_publish_dtype() -> dict[str, Any]:
+        try:
+            return compute_probe_as_published(model, ids, dtype)
+        finally:
+            sharding.reshard(model)
+
+    probe = await in_thread(probe_in_publish_dtype)
+    return probe if is_main else None

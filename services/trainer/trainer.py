@@ -67,9 +67,7 @@ import concurrent.futures
 import json
 import logging
 import os
-import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +75,14 @@ from services.trainer import checkpoint as ckpt
 from services.trainer import drill as drills
 from services.trainer import metrics_history
 from services.trainer.agreement import accept_sampler_config, resolve_temperature
+from services.trainer.checkpointing import Checkpoints
 from services.trainer.config import TrainerSettings
-from services.trainer.metrics import METRICS_FILE, MetricsLogger, ProgressBar, describe, eval_reward
+from services.trainer.evals import Evals
+from services.trainer.metrics import METRICS_FILE, MetricsLogger, ProgressBar, describe
 from services.trainer.mismatch import BehaviourMismatchError, MismatchGuard
 from services.trainer.model_setup import set_up_model
 from services.trainer.publication import BackgroundProbe, Chain, Job, Publisher, Writer, weights_writer
+from services.trainer.run_state import RunState
 from services.trainer.step_record import (
     all_reduce_rank_sums,
     learning_rate,
@@ -102,48 +103,12 @@ log = logging.getLogger("tandem.trainer")
 # -- the loop ------------------------------------------------------------------------------
 
 
-@dataclass
-class RunState:
-    """What the steps of one run share: where it started, the totals for the summary, and
-    the tasks in flight from one step to the next."""
-
-    start_step: int
-    wall_start: float
-    last_checkpoint: Path | None = None
-    published_any: bool = False  # whether this run has published weights yet (every rank)
-    checkpoint_step: int | None = None  # the step of the newest full checkpoint
-    skipped_no_signal: int = 0
-    skipped_non_finite: int = 0
-    last_step: int | None = None  # the newest step trained (every rank)
-    wait_seconds: float = 0.0
-    train_seconds: float = 0.0
-    stale_sum: float = 0.0
-    samples: float = 0.0
-    first_reward: float | None = None
-    last_reward: float | None = None
-    prefetch: asyncio.Task | None = None  # batch N+1, fetched while step N trains
-    before_eval: asyncio.Task | None = None  # awaited before version start_step + 1 is published
-
-    def add_step(self, step: int, wait_s: float, train_s: float, sums: dict[str, float], reward_mean: float,
-                 result: dict[str, Any]) -> None:
-        self.last_step = step
-        self.skipped_no_signal += int(result.get("skipped_no_signal", 0))
-        self.skipped_non_finite += int(result.get("skipped_non_finite", 0))
-        self.wait_seconds += wait_s
-        self.train_seconds += train_s
-        self.stale_sum += sums["stale_sum"]
-        self.samples += sums["n"]
-        self.first_reward = reward_mean if self.first_reward is None else self.first_reward
-        self.last_reward = reward_mean
-
-
 class Trainer:
     def __init__(self, settings: TrainerSettings, client: SamplerClient | None = None):
         self.settings = settings
         self._client = client  # the caller's, closed by the caller; None: run() makes and closes one
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-train")
-        self.evals: list[dict[str, Any]] = []
-        self._eval_tasks: list[asyncio.Task] = []
+        self.evals: Evals | None = None  # rank 0's evals, set by start()
         self.drill = drills.from_env(os.environ)  # inert unless a kill drill set TANDEM_TRAINER_DRILL_PAUSE
         # Set by start():
         self.world: World | None = None
@@ -162,7 +127,7 @@ class Trainer:
             except BehaviourMismatchError:
                 # Every rank stops at the same step: keep what it trained, its version out too.
                 await self.publisher.wait()
-                await self._final_checkpoint()
+                await self.checkpoints.final()
                 raise
             finally:
                 self.progress.close()
@@ -252,6 +217,7 @@ class Trainer:
             retrained |= history.superseded
         self.retrained = retrained
         self.metrics = MetricsLogger(s.run_dir, enabled=world.is_main, reporter=self.reporter)
+        self.evals = Evals(self.client, self.metrics, examples=s.eval_examples, timeout=s.eval_timeout)
         self.published_version = start_step
         if world.is_main:
             self.metrics.write({"event": "start", "start_step": start_step, "max_steps": s.max_steps,
@@ -270,6 +236,9 @@ class Trainer:
                      f", resumed from {resumed_from}" if resumed_from else "")
         self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
                               checkpoint_step=start_step - 1 if resumed_from is not None else None)
+        self.checkpoints = Checkpoints(s, world, sharding=self.sharding, model=self.model, optimizer=self.optimizer,
+                                       lora=self.lora, drill=self.drill, state=self.state,
+                                       public_settings=self.public_settings, in_thread=self._in_thread)
         self.publisher = self._publisher(loaded)
         self.publisher.warm()
         if resumed_from is not None:
@@ -284,7 +253,7 @@ class Trainer:
         await self._in_thread(world.barrier)
 
         if world.is_main and s.eval_at_start:
-            self.state.before_eval = asyncio.create_task(self._eval(start_step, start_step, "before"))
+            self.state.before_eval = self.evals.start(start_step, start_step, "before")
         self.progress = ProgressBar(s.max_steps, start_step, enabled=world.is_main and s.progress)
         self.guard = MismatchGuard(s.max_behaviour_mismatch, s.behaviour_mismatch_patience,
                                    on_warning=self.metrics.write, announce=world.is_main)
@@ -326,7 +295,7 @@ class Trainer:
         log.info(describe(record))
         version = job.version
         if s.eval_every and version % s.eval_every == 0 and version < s.max_steps:
-            self._eval_tasks.append(asyncio.create_task(self._eval(version, version, "periodic")))
+            self.evals.start(version, version, "periodic")
 
     async def _next_batch(self, step: int) -> tuple[Batch, float]:
         """Batch `step` for this rank (the prefetched one when it came) and the seconds waited
@@ -401,7 +370,7 @@ class Trainer:
         if checkpoint_due:
             # Before the publication starts, so a checkpoint step's version is announced after
             # its checkpoint is committed (the kill drill's order of points).
-            await self._checkpoint(step, lr, record)
+            await self.checkpoints.write(step, lr, record)
         if world.is_main:
             if step == state.start_step:
                 job.before_post = state.before_eval
@@ -437,80 +406,14 @@ class Trainer:
     async def _probe(self, batch: Batch, record: dict[str, Any]) -> dict[str, Any] | None:
         """The probe of the live weights (a LoRA run's, on the training thread): rank 0's (None
         elsewhere). Under fsdp the forward is a collective, so every rank runs it on rank 0's ids."""
-        from services.trainer.probe import compute_probe_as_published
-
-        ids = self._probe_ids(batch) if self.world.is_main else None
-        collective = self.sharding.kind == "fsdp"
-        if collective:
-            ids = await self._in_thread(self.sharding.broadcast_object, ids)
-        if ids is None or not (collective or self.world.is_main):
-            return None
-        def probe_in_publish_dtype() -> dict[str, Any]:
-            try:
-                return compute_probe_as_published(self.model, ids, self.publish_dtype)
-            finally:
-                self.sharding.reshard(self.model)
+        from services.trainer.probe import probe_live_weights
 
         t0 = time.monotonic()
-        probe = await self._in_thread(probe_in_publish_dtype)
+        probe = await probe_live_weights(self._probe_ids(batch) if self.world.is_main else None, self.model,
+                                         self.publish_dtype, self.sharding, is_main=self.world.is_main,
+                                         in_thread=self._in_thread)
         record["probe_s"] = time.monotonic() - t0
-        return probe if self.world.is_main else None
-
-    def _gather(self) -> dict[str, Any] | None:
-        """COLLECTIVE: what a checkpoint holds, on rank 0: the full float32 weights, or a LoRA
-        run's adapter alone (the frozen base is not gathered)."""
-        return self.sharding.full_state_dict(self.model, trainable_only=self.lora is not None)
-
-    async def _checkpoint(self, step: int, lr: float, record: dict[str, Any] | None = None) -> None:
-        """Full checkpoint `step` (every rank calls it): float32 weights, gathered here, and
-        optimizer state, for a resume; rank 0 commits and prunes."""
-        s, state, world = self.settings, self.state, self.world
-        t0 = time.monotonic()
-        full = await self._in_thread(self._gather)
-        root, what = ckpt.checkpoint_dir(s.run_dir), f"checkpoint step-{step}"
-        tmp = root / f".tmp-step-{step}"
-        needed = ckpt.checkpoint_bytes(full, optimizer=s.save_optimizer) if world.is_main else 0
-        try:
-            if world.is_main:
-                await self.drill.point("checkpoint", step)
-                # Refused before anything is written: a full disk costs no committed checkpoint.
-                ckpt.ensure_space(root, needed, what)
-                tmp = await self._in_thread(ckpt.begin_checkpoint, s.run_dir, step)
-            await self._in_thread(world.barrier)
-            with ckpt.disk_errors(root, needed, what):
-                if s.save_optimizer:
-                    await self._in_thread(self.sharding.save_optimizer, self.model, self.optimizer, tmp)
-                await self._in_thread(world.barrier)
-                if world.is_main:
-                    # The step's metrics ride along: a kill before its metrics line is written
-                    # loses no record (services/trainer/metrics_history.py, `prepare`).
-                    lora = self.lora
-                    state.last_checkpoint = await self._in_thread(
-                        ckpt.commit_checkpoint, s.run_dir, step, tmp, model=self.model, state_dict=full,
-                        model_dir=s.model if lora is None else None,
-                        write_weights=lora.checkpoint_writer(full) if lora is not None else None,
-                        state={"lr": lr, "world_size": world.world_size, "sharding": self.sharding.kind,
-                               "settings": self.public_settings, "record": record,
-                               **(lora.record() if lora is not None else {})},
-                    )
-        except BaseException:
-            if world.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        state.checkpoint_step = step
-        if world.is_main:
-            await self.drill.point("checkpointed", step)
-            ckpt.prune_checkpoints(s.run_dir, s.keep_checkpoints)
-            if record is not None:
-                record["checkpoint_bytes"] = ckpt.dir_bytes(state.last_checkpoint)
-                record["checkpoint_s"] = time.monotonic() - t0
-
-    async def _final_checkpoint(self) -> None:
-        """A full checkpoint of the last trained step, unless it has one (a run stopping early)."""
-        state = self.state
-        last = state.last_step
-        if last is not None and state.checkpoint_step != last:
-            await self._checkpoint(last, learning_rate(self.settings, last))
+        return probe
 
     # -- finish ---------------------------------------------------------------------------
 
@@ -524,34 +427,10 @@ class Trainer:
             await state.before_eval
         after = None
         if world.is_main and s.eval_at_end:
-            after = await self._eval(final_version, final_version, "after")
-        if self._eval_tasks:
-            await asyncio.gather(*self._eval_tasks)
-        before = next((e for e in self.evals if e["label"] == "before"), None)
-        wall = time.monotonic() - state.wall_start
-        busy = state.wait_seconds + state.train_seconds
-        summary = {
-            "steps": max(s.max_steps - state.start_step, 0),
-            "start_step": state.start_step,
-            "final_step": final_version - 1,
-            "final_version": final_version,
-            "wall_seconds": wall,
-            "wait_seconds": state.wait_seconds,
-            "train_seconds": state.train_seconds,
-            "trainer_wait_fraction": state.wait_seconds / busy if busy > 0 else 0.0,
-            "staleness_mean": state.stale_sum / state.samples if state.samples else 0.0,
-            "reward_mean_first": state.first_reward,
-            "reward_mean_last": state.last_reward,
-            "eval_reward_before": before.get("reward") if before else None,
-            "eval_reward_after": after.get("reward") if after else None,
-            "evals": self.evals,
-            "last_checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
-            "last_published": str(self.publisher.chain.last.path) if self.publisher.chain.last else None,
-            "skipped_steps_no_signal": state.skipped_no_signal,
-            "skipped_steps_non_finite": state.skipped_non_finite,
-            "metrics_path": str(self.metrics.path),
-            "world_size": world.world_size,
-        }
+            after = await self.evals.run(final_version, final_version, "after")
+        await self.evals.wait()
+        summary = state.summary(s.max_steps, world.world_size, self.evals.records, after, str(self.metrics.path),
+                                self.publisher.chain.last.path if self.publisher.chain.last else None)
         if world.is_main:
             self.metrics.write({"event": "end", **{k: v for k, v in summary.items() if k != "evals"}})
             Path(s.run_dir).mkdir(parents=True, exist_ok=True)
@@ -561,8 +440,8 @@ class Trainer:
 
     async def _close(self, failed: bool) -> None:
         """Whatever start() set up, released; safe after a failure part-way through it."""
-        for task in self._eval_tasks:
-            task.cancel()
+        if self.evals is not None:
+            self.evals.cancel()
         if self.publisher is not None:
             await self.publisher.close()
         if self.metrics is not None:
@@ -604,23 +483,6 @@ class Trainer:
             # Already at (or past) this version: a resumed run re-announcing its checkpoint.
             log.info("sampler already has version >= %d (%s)", version, exc.detail)
         self.published_version = version
-
-    async def _eval(self, step: int, version: int, label: str) -> dict[str, Any]:
-        started = time.monotonic()
-        record: dict[str, Any] = {"event": "eval", "label": label, "step": step, "version": version}
-        try:
-            eval_id = await self.client.start_eval(num_examples=self.settings.eval_examples)
-            result = await self.client.wait_eval(eval_id, timeout=self.settings.eval_timeout)
-            record.update(eval_id=eval_id, status=result.status, result=result.result,
-                          error=result.error, reward=eval_reward(result.result))
-        except Exception as exc:  # noqa: BLE001 -- an eval must never take training down
-            log.warning("eval %s at version %d failed: %s", label, version, exc)
-            record.update(status="failed", error=f"{type(exc).__name__}: {exc}", reward=None)
-        record["seconds"] = time.monotonic() - started
-        self.evals.append(record)
-        self.metrics.write(record)
-        log.info("eval %s (version %d): reward %s in %.1fs", label, version, record.get("reward"), record["seconds"])
-        return record
 
 
 async def train(settings: TrainerSettings, client: SamplerClient | None = None) -> dict[str, Any]:
