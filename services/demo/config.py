@@ -46,13 +46,19 @@ DEFAULT_PRESET = "tiny"
 # (they read the last digit at its own position). With every projection adapted the sampled
 # policy collapsed onto one letter on 5 of 5 seeds; the MLP alone learns parity.
 LORA_TARGET_MODULES = ("gate_proj", "up_proj", "down_proj")
+# And a KL term to the starting model (the trainer's beta, k3). On an odd prompt whose 16
+# samples all say the wrong letter GRPO has no signal, so a letter that spread from even numbers
+# stays; the KL term still pushes every sampled token back towards the base, where the letters
+# are ~1% each. Seed 0 collapsed onto "e" (eval 0.53) at beta 0 with every other setting tried,
+# and reached eval 1.0 by step 110-120 at 0.04 and 0.1 (docs/lora.md).
+LORA_BETA = 0.04
 
 # The native trainer's settings the demo derives from its own (Demo._trainer_argv); trainer_args
 # may not override them.
 TRAINER_FLAGS_SET_BY_DEMO = frozenset({
     "model", "sampler_url", "run_dir", "per_device_batch_size", "grad_accum_steps", "max_steps",
     "learning_rate", "loss", "eval_every", "eval_examples", "seed", "progress", "log_level", "api_token",
-    "lora_rank", "lora_target_modules", "report_to", "run_name", "wandb_project", "tensorboard_dir", "tensorboard"})
+    "lora_rank", "lora_target_modules", "beta", "report_to", "run_name", "wandb_project", "tensorboard_dir", "tensorboard"})
 
 
 class DemoSettings(TrackingSettings):
@@ -108,6 +114,9 @@ class DemoSettings(TrackingSettings):
     lora_target_modules: CommaList | None = Field(
         default=None, description=f"the layers that get the adapter (the trainer's lora_target_modules); unset = "
         f"{','.join(LORA_TARGET_MODULES)} (docs/lora.md)")
+    beta: float | None = Field(
+        default=None, ge=0, description=f"KL coefficient to the starting model (the native trainer's beta); unset = "
+        f"0, or {LORA_BETA:g} with lora_rank (docs/lora.md)")
     loss: contract.LossName = "grpo"
     trainer: Literal["native", "trl"] = Field(
         default="native", description="native = Tandem's trainer (`tandem trainer`); trl = TRL's GRPOTrainer fed by "
@@ -152,6 +161,10 @@ class DemoSettings(TrackingSettings):
             self.lora_target_modules = list(LORA_TARGET_MODULES)
         if self.lora_target_modules is not None and not self.lora_rank:
             raise ValueError("lora_target_modules set but lora_rank is 0 (LoRA off): set lora_rank > 0")
+        if self.beta is None:
+            self.beta = LORA_BETA if self.lora_rank and self.trainer == "native" else 0.0
+        elif self.beta and self.trainer != "native":
+            raise ValueError("beta is the native trainer's KL term; the trl trainer runs with beta 0")
         if self.learning_rate is None:
             self.learning_rate = LORA_LEARNING_RATE if self.lora_rank else FULL_LEARNING_RATE
         self.max_staleness = contract.resolve_max_staleness(self.max_staleness, self.on_policy)

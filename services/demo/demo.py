@@ -264,7 +264,7 @@ class Demo:
                 per_device_batch_size=s.per_device_batch_size, grad_accum_steps=s.grad_accum_steps,
                 max_steps=s.steps, learning_rate=s.learning_rate, loss=s.loss, eval_every=s.eval_every,
                 eval_examples=s.eval_examples, seed=s.seed, progress=False, log_level=s.log_level,
-                lora_rank=s.lora_rank or None,
+                lora_rank=s.lora_rank or None, beta=s.beta or None,
                 lora_target_modules=",".join(s.lora_target_modules) if s.lora_rank else None, **self._tracking_flags(),
                 **{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in s.trainer_args.items()})
         flags = {"sampler_url": self.sampler_url, "model": model_dir, "max_steps": s.steps,
