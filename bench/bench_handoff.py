@@ -128,8 +128,8 @@ def offline_build(prompts: int) -> dict[str, float]:
     """What the producer does between `sealed_at` and the Redis write, timed in this process
     on the same samples: summarize_batch, codec.with_arrays, packing.pack (default chunk size)."""
     from bench.handoff_strategy import batch_samples, make_pool
-    from services.sampler import packing
-    from services.sampler.rollout import summarize_batch
+    from services.sampler.storage import packing
+    from services.sampler.rollouts.rollout import summarize_batch
     from shared import codec
 
     samples = batch_samples(make_pool(GROUP), prompts * GROUP, GROUP, 1, 0)
@@ -289,7 +289,7 @@ def _write_fsync(where: Path, data: bytes, indices: range) -> None:
 
 def disk_ceiling(tmp: Path, nbytes: int, file_bytes: int = 4 * MIB, reps: int = 2) -> dict[str, Any]:
     """`nbytes` as `file_bytes` files, each written and fsynced, then the directory fsynced:
-    what the bulk store does (services/sampler/chunk_files.py), by one thread and by two."""
+    what the bulk store does (services/sampler/storage/chunk_files.py), by one thread and by two."""
     from concurrent.futures import ThreadPoolExecutor
 
     data = os.urandom(file_bytes)
@@ -511,7 +511,7 @@ class Trainer:
     async def one(self, client: SamplerClient, encoding: str, step: int, world_size: int, rank: int,
                   batch_target: int) -> dict[str, Any]:
         from bench.handoff_strategy import gate
-        from services.sampler.packing import SealedBatch
+        from services.sampler.storage.packing import SealedBatch
         from shared.wire import Batch
 
         if step >= 1:  # batch step-1 has been read: version `step` may go out (it trims step-2)
@@ -593,7 +593,7 @@ class Trainer:
 async def _measure(url: str, pid: int, redis_url: str, namespace: str, cases: list[tuple[str, int]],
                    target: int, reps: int, old_reps: int, warmups: int, park_s: float,
                    validate_max: int) -> list[dict[str, Any]]:
-    from services.sampler.keys import Keys
+    from services.sampler.storage.keys import Keys
 
     keys = Keys(namespace)
     out = []

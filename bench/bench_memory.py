@@ -52,8 +52,8 @@ def run(results_dir: Path, *, steps: int = 1000, every: int = 100, keep_batches:
         num_generations: int = 8, max_tokens: int = 16, stream_cap: int | None = None) -> dict:
     import inspect
 
-    from services.sampler.keys import Keys
-    from services.sampler.store import Store
+    from services.sampler.storage.keys import Keys
+    from services.sampler.storage.store import Store
 
     if stream_cap is None:  # the cap the sampler really uses
         stream_cap = inspect.signature(Store).parameters["stats_cap"].default

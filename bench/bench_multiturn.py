@@ -63,8 +63,8 @@ from typing import Any
 
 import httpx
 
-from services.sampler.envs.multiturn import Conversation, Message
-from services.sampler.envs.parity_dialogue import ParityDialogueEnv
+from services.sampler.rollouts.envs.multiturn import Conversation, Message
+from services.sampler.rollouts.envs.parity_dialogue import ParityDialogueEnv
 from bench._common import (
     AUTH, CLK_TCK, REPO, cpu_seconds, host, median, redis_server, sampler_process, standin_process, token_env,
     trainer_loop, write_results,
@@ -270,13 +270,13 @@ def _summary(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, dic
 # right under Runner.run too.
 _CATEGORIES = (
     ("completion request: Rollouts.generate (pool, aiohttp client, parse_completions)",
-     ("Rollouts.generate (services/sampler/rollout.py",)),
-    ("/tokenize request: Rollouts._tokenize (pool, aiohttp client)", ("Rollouts._tokenize (services/sampler/rollout.py",)),
+     ("Rollouts.generate (services/sampler/rollouts/rollout.py",)),
+    ("/tokenize request: Rollouts._tokenize (pool, aiohttp client)", ("Rollouts._tokenize (services/sampler/rollouts/rollout.py",)),
     ("aiohttp callbacks and tasks outside the request coroutines (response parsing, body writes)", ("aiohttp/",)),
     ("env turn: env_step, env_response, render.after_turn (its /tokenize excluded)",
-     ("env_step (services/sampler/multiturn/conversation.py", "services/sampler/multiturn/render.py")),
-    ("scoring (rewards)", ("score (services/sampler/multiturn/trajectories.py", "services/sampler/envs/")),
-    ("trajectory tasks: group_trajectories, TaskGroup, run_conversation's own code", ("services/sampler/multiturn/",)),
+     ("env_step (services/sampler/rollouts/multiturn/conversation.py", "services/sampler/rollouts/multiturn/render.py")),
+    ("scoring (rewards)", ("score (services/sampler/rollouts/multiturn/trajectories.py", "services/sampler/rollouts/envs/")),
+    ("trajectory tasks: group_trajectories, TaskGroup, run_conversation's own code", ("services/sampler/rollouts/multiturn/",)),
     ("worker threads (rollout log parquet writes, synchronous env code)", ("Thread._bootstrap (threading.py",)),
     ("Redis (redis-py)", ("redis/asyncio/",)),
     ("sampler HTTP API (uvicorn: /batch, /weights_version, /status)", ("uvicorn/protocols", "starlette/", "fastapi/")),

@@ -80,14 +80,14 @@ def demo_settings(seed: int, steps: int | None):
 
 
 def max_tokens_of(settings, env) -> int:
-    """What the sampler samples per completion (services/sampler/rollout.py, Rollouts.max_tokens)."""
+    """What the sampler samples per completion (services/sampler/rollouts/rollout.py, Rollouts.max_tokens)."""
     return int(settings.max_tokens or env.sampling.get("max_tokens") or 16)
 
 
 def train_prompts(settings, env) -> list[Any]:
     """The demo's train prompts in the order its sampler hands them out: prompt slot j of step N is
-    train[order[N * prompts_per_step + j]] (services/sampler/sources.py), order seeded with the seed."""
-    from services.sampler.seeds import DatasetOrder
+    train[order[N * prompts_per_step + j]] (services/sampler/building/sources.py), order seeded with the seed."""
+    from services.sampler.rollouts.seeds import DatasetOrder
 
     train = list(env.examples("train"))
     order = DatasetOrder(len(train), settings.seed)
@@ -117,7 +117,7 @@ def trl_config_values(settings, env) -> dict[str, Any]:
 
 def score(env, examples: list[Any], texts: list[str]) -> list[float]:
     """The environment's own reward (`Environment.score`, the weighted sum the sampler uses)."""
-    from services.sampler.envs.base import Completion
+    from services.sampler.rollouts.envs.base import Completion
 
     async def all_scores() -> list[float]:
         scored = await asyncio.gather(*(env.score(ex, Completion(text=t, prompt_token_ids=[], token_ids=[],
@@ -156,7 +156,7 @@ def trl_worker(seed: int, steps: int | None, out: Path) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from services.inference.init_model import init_model
-    from services.sampler.envs import load_environment
+    from services.sampler.rollouts.envs import load_environment
 
     s = demo_settings(seed, steps)
     env = load_environment(s.env, **s.env_args)

@@ -21,9 +21,9 @@ turn fails in vf/traces.py and is retried, which would mix retries into the numb
   gives the cost of one more turn.
 
 A verifiers model turn, all inside the sampler process: the tandem-chat harness
-(services/sampler/vf/harness.py: one aiohttp session per event loop) POSTs /chat/completions
+(services/sampler/rollouts/vf/harness.py: one aiohttp session per event loop) POSTs /chat/completions
 to verifiers' interception server (aiohttp), which records the turn in the trace graph and
-has its TrainClient render the messages with services/sampler/vf/renderer.py in a worker
+has its TrainClient render the messages with services/sampler/rollouts/vf/renderer.py in a worker
 thread and hand the token ids to the sampler's generate code: in-process by default
 (vf_client = in_process, vf/local_client.py), else through the openai SDK's httpx client to
 the sampler's own POST /inference/v1/generate (FastAPI); that code forwards them to the
@@ -205,18 +205,18 @@ _CATEGORIES = (
      "TCP connections",
      ("AsyncClient.__init__ (httpx/_client.py", "AsyncHTTPConnection._connect (httpcore/")),
     ("TrainClient rendering in worker threads (vf/renderer.py: chat template, tokenizer encode)",
-     ("services/sampler/vf/renderer.py", "RendererSlot.run", "tokenizers", "transformers/")),
+     ("services/sampler/rollouts/vf/renderer.py", "RendererSlot.run", "tokenizers", "transformers/")),
     ("inference pool requests to the stand-in (aiohttp client, parsing the answer; verifiers: the generate route's code)",
-     ("services/sampler/vf/generate.py", "services/sampler/routes/generate.py", "services/sampler/inference_pool.py",
-      "services/sampler/completions.py")),
+     ("services/sampler/rollouts/vf/generate.py", "services/sampler/api/routes/generate.py", "services/sampler/fleet/inference_pool.py",
+      "services/sampler/rollouts/completions.py")),
     ("TrainClient -> the sampler's generate code in-process (vf/local_client.py: no HTTP; answer as JSON bytes)",
-     ("services/sampler/vf/local_client.py",)),
+     ("services/sampler/rollouts/vf/local_client.py",)),
     ("TrainClient -> the sampler's /inference/v1/generate: renderers.client.generate, openai SDK, httpx client",
      ("renderers/client.py", "openai/", "TrainClient.get_response")),
     ("interception server: aiohttp handler, checks, trace graph (handle_request, PendingTurn.commit)",
      ("verifiers/v1/interception/",)),
     ("harness: its POST /chat/completions to the interception server (httpx client, JSON)",
-     ("services/sampler/vf/harness.py",)),
+     ("services/sampler/rollouts/vf/harness.py",)),
     ("verifiers episode machinery (Env.run_episode, Rollout, Agent, Interaction, Trace, scoring)", ("verifiers/v1/",)),
     ("httpx/httpcore/anyio outside the above", ("httpx/", "httpcore/", "anyio/")),
     ("aiohttp callbacks outside the request coroutines (client reads, body writes; verifiers: the interception "
@@ -224,9 +224,9 @@ _CATEGORIES = (
      ("aiohttp/",)),
     ("the sampler's HTTP server stack (uvicorn, starlette, fastapi, middlewares: /batch, /status; verifiers: every "
      "generate call)",
-     ("uvicorn/", "starlette/", "fastapi/", "services/sampler/observability/", "services/sampler/guards.py")),
+     ("uvicorn/", "starlette/", "fastapi/", "services/sampler/observability/", "services/sampler/api/guards.py")),
     ("trajectory tasks and their samples (multiturn/, vf/environment.py, vf/traces.py)",
-     ("services/sampler/vf/", "services/sampler/multiturn/")),
+     ("services/sampler/rollouts/vf/", "services/sampler/rollouts/multiturn/")),
     ("imports (modules first used in the window)", ("<frozen importlib",)),
     ("other worker threads (rollout log writes)", ("Thread._bootstrap (threading.py",)),
     ("batch building and sealing (producer, sources, strategies, codec, Redis)", ("services/sampler/", "shared/", "redis/")),
@@ -644,14 +644,14 @@ def _where(r: dict[str, Any]) -> list[str]:
         f"* **verifiers' trace graph: {share('pydantic model_construct'):.0%}** in pydantic's "
         "`FieldInfo.get_default`, which calls `inspect.signature` on a default_factory at every "
         "`model_construct` (PendingTurn.commit -> graph._commit_turn; answered once per builtin factory since "
-        "services/sampler/vf/pydantic_defaults.py); "
+        "services/sampler/rollouts/vf/pydantic_defaults.py); "
         f"the rest of verifiers' episode machinery {share('verifiers episode'):.0%}, the subprocess runtime's "
         f"scratch directory per rollout {share('verifiers subprocess runtime'):.0%} (in worker threads, below).",
         f"* **Garbage collection: {share('garbage collection'):.0%}**"
         + (f" (native_echo3: {gc_native:.0%}): not verifiers' own; the collector runs more often the more objects "
            "a turn allocates." if gc_native is not None else "."),
         f"* Worker threads: {workers:.0%} of the sampler's CPU (the TrainClient's rendering, "
-        "services/sampler/vf/renderer.py with the tokenizer, and verifiers' subprocess runtime removing each "
+        "services/sampler/rollouts/vf/renderer.py with the tokenizer, and verifiers' subprocess runtime removing each "
         "rollout's scratch directory).",
     ]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from services.sampler.keys import Keys
-from services.sampler.strategies import BuildContext, Strategy
+from services.sampler.storage.keys import Keys
+from services.sampler.building.strategies import BuildContext, Strategy
 from shared import codec
 
 PROMPT_TOKENS, COMPLETION_TOKENS = 128, 512

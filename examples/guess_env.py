@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import re
 
-from services.sampler.envs import Completion, Conversation, Example, MultiTurnEnvironment, Reward, Tool
+from services.sampler.rollouts.envs import Completion, Conversation, Example, MultiTurnEnvironment, Reward, Tool
 
 NUMBER = re.compile(r"-?\d+")
 

@@ -7,7 +7,7 @@ sampler, TANDEM_TRAINER_DRILL_PAUSE for the trainer) to a comma-separated list o
 reaches a listed point for that number (a step or a version), it creates the file
 `TANDEM_DRILL_DIR/<point>-<number>` and waits until the drill deletes it: the drill knows
 exactly where the process stands. Each point pauses once. Each service names its points
-(services/sampler/drill.py, services/trainer/drill.py).
+(services/sampler/building/drill.py, services/trainer/drill.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ max_tokens) is not a call: it stays in the content.
 
 Tool calls are read from the text; the token ids the model sampled are never rebuilt from
 it (the sampler appends the tool's answer after the sampled ids, see
-services/sampler/multiturn).
+services/sampler/rollouts/multiturn).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ assert set(CHARACTERS) >= set(string.ascii_letters + string.digits + string.punc
 # request model, which fills the missing ones with null, renders as the same text). It is a block
 # of its own, not merged into a leading system message: then every conversation renders as a
 # prefix of its continuations, even the empty one, which multi-turn rollouts rely on
-# (services/sampler/multiturn/render.py). An assistant message's `tool_calls` follow its content,
+# (services/sampler/rollouts/multiturn/render.py). An assistant message's `tool_calls` follow its content,
 # one Hermes block each (shared/toolcalls.py), separated by "\n"; arguments given as a dict are
 # written as JSON, a string as it is (vLLM and chat.py decode JSON strings to dicts first). A
 # "tool" message is an ordinary turn: "<|im_start|>tool\n{content}<|im_end|>\n". Without tools

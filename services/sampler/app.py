@@ -24,41 +24,42 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from services.sampler import guards, run_identity
+from services.sampler.api import guards
+from services.sampler.storage import run_identity
 from services.sampler.config import SamplerSettings
-from services.sampler.curriculum import Curriculum
-from services.sampler import drill as drills
-from services.sampler.envs import Environment, check_environment, load_environment
-from services.sampler.evals import Evals
-from services.sampler.fleet import Fleet
-from services.sampler.inference_pool import InferencePool
-from services.sampler.keys import Keys
-from services.sampler.multiturn.stats import EnvStats
-from services.sampler.multiturn.workers import Workers
-from services.sampler.notify import Notifier
-from services.sampler.observability.http import HttpMetricsMiddleware
+from services.sampler.building.curriculum import Curriculum
+from services.sampler.building import drill as drills
+from services.sampler.rollouts.envs import Environment, check_environment, load_environment
+from services.sampler.building.evals import Evals
+from services.sampler.fleet.members import Fleet
+from services.sampler.fleet.inference_pool import InferencePool
+from services.sampler.storage.keys import Keys
+from services.sampler.rollouts.multiturn.stats import EnvStats
+from services.sampler.rollouts.multiturn.workers import Workers
+from services.sampler.storage.notify import Notifier
+from services.sampler.api.request_metrics import HttpMetricsMiddleware
 from services.sampler.observability.metrics import SamplerMetrics
 from services.sampler.observability.recent import RecentRollouts
 from services.sampler.observability.throughput import ThroughputHistory
 from services.sampler.observability.tracking import BatchReporter
-from services.sampler.producer import Producer
-from services.sampler.redis_link import RedisLink
-from services.sampler.redis_server import start_embedded, watch_embedded
-from services.sampler.replay_store import ReplayPool
-from services.sampler.rollout import NonFiniteCounts, Rollouts
-from services.sampler.rollout_log import RolloutLog
-from services.sampler.routes import (
+from services.sampler.building.producer import Producer
+from services.sampler.storage.redis_link import RedisLink
+from services.sampler.storage.redis_server import start_embedded, watch_embedded
+from services.sampler.storage.replay_store import ReplayPool
+from services.sampler.rollouts.rollout import NonFiniteCounts, Rollouts
+from services.sampler.observability.rollout_log import RolloutLog
+from services.sampler.api.routes import (
     auth, batch, dashboard, evals, generate, health, inference_servers, metrics, status, weights,
 )
-from services.sampler.sources import FreshGroups
-from services.sampler.state import SamplerState
-from services.sampler.chunk_files import ChunkFiles
-from services.sampler.store import Store
-from services.sampler.strategies import Strategy, load_strategy
-from services.sampler.supervisor import Supervisor, install_task_dump
-from services.sampler.vf.environment import VerifiersLink
-from services.sampler.vf.sessions import Sessions
-from services.sampler.weight_sync import WeightSync
+from services.sampler.building.sources import FreshGroups
+from services.sampler.api.state import SamplerState
+from services.sampler.storage.chunk_files import ChunkFiles
+from services.sampler.storage.store import Store
+from services.sampler.building.strategies import Strategy, load_strategy
+from services.sampler.storage.supervisor import Supervisor, install_task_dump
+from services.sampler.rollouts.vf.environment import VerifiersLink
+from services.sampler.rollouts.vf.sessions import Sessions
+from services.sampler.fleet.weight_sync import WeightSync
 from shared.http_client import HttpClient
 from shared.settings import SettingsError
 from shared.token_guard import TokenGuard, bearer_headers, dashboard_url

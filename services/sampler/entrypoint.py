@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
 
     import uvicorn
 
-    from services.sampler import gc_tuning
+    from services.sampler.observability import gc_tuning
     from services.sampler.app import create_app
-    from services.sampler.envs import load_environment
-    from services.sampler.strategies import load_strategy
+    from services.sampler.rollouts.envs import load_environment
+    from services.sampler.building.strategies import load_strategy
 
     try:
         strategy = load_strategy(settings)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None, prog: str = "tandem sampler") -> int:
         # Its modules (pyarrow and pandas, ~0.3 s) now, not in a worker thread that competes for
         # the GIL with the first batches (it took ~1 s of wall time there) and then still needs
         # its own freeze.
-        from services.sampler.rollout_log import load_modules
+        from services.sampler.observability.rollout_log import load_modules
 
         load_modules()
     # Everything imported and built so far lives as long as the process: out of the collector's way.

@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 
 from services.inference.testing import ServerHandle, running_server
-from services.sampler.envs.base import Environment
-from services.sampler.inference_pool import OK, InferencePool
-from services.sampler.multiturn.stats import EnvStats
-from services.sampler.multiturn.workers import Workers
-from services.sampler.rollout import Rollouts
+from services.sampler.rollouts.envs.base import Environment
+from services.sampler.fleet.inference_pool import OK, InferencePool
+from services.sampler.rollouts.multiturn.stats import EnvStats
+from services.sampler.rollouts.multiturn.workers import Workers
+from services.sampler.rollouts.rollout import Rollouts
 from shared.http_client import HttpClient
 
 

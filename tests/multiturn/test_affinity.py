@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from services.sampler.inference_pool import LEAVING
+from services.sampler.fleet.inference_pool import LEAVING
 from tests.support.driver import hold_second_turns, release_held_turns
 from tests.support.envs import EchoDialogue
 

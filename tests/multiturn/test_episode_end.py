@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.sampler.envs.multiturn import Conversation
+from services.sampler.rollouts.envs.multiturn import Conversation
 from services.trainer.collate import collate
 from shared.wire import Sample
 from tests.support.driver import fill_the_context_on_the_second_turn

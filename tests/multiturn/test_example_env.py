@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.sampler.envs import load_environment
+from services.sampler.rollouts.envs import load_environment
 from shared.toolcalls import format_tool_call
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from services.sampler.envs import load_environment
-from services.sampler.envs.base import Completion, Example, Reward
+from services.sampler.rollouts.envs import load_environment
+from services.sampler.rollouts.envs.base import Completion, Example, Reward
 from tests.support.driver import fill_the_context_on_the_second_turn
 from tests.support.envs import CountEnv, EchoDialogue
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.inference.testing import running_server
-from services.sampler.multiturn.render import closing_overlap
+from services.sampler.rollouts.multiturn.render import closing_overlap
 from tests.support.envs import EchoDialogue
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from services.sampler.envs import load_environment
-from services.sampler.envs.multiturn import Conversation
+from services.sampler.rollouts.envs import load_environment
+from services.sampler.rollouts.envs.multiturn import Conversation
 from tests.multiturn.conftest import server_root
 
 pytestmark = pytest.mark.timeout(120)

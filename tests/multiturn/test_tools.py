@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from services.inference.standin_chat import render_chat_text
-from services.sampler.envs.calculator import CalculatorEnv
-from services.sampler.envs.multiturn import Tool
+from services.sampler.rollouts.envs.calculator import CalculatorEnv
+from services.sampler.rollouts.envs.multiturn import Tool
 from shared.toolcalls import format_tool_call
 from tests.multiturn.test_token_exact import oracle_messages
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.sampler.envs.base import Completion, Environment, Example, Reward
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward
 
 # If the dashboard ever put this into innerHTML, the onerror handler (or the script, in
 # browsers that run it) would set window.__pwned and an <img> would appear in the table.

@@ -10,7 +10,7 @@ import sys
 
 import httpx
 
-from services.sampler.observability.views import staleness_histogram, timeline
+from services.sampler.api.views import staleness_histogram, timeline
 from tests.observability.support import run_eval, train_steps
 from tests.support.servers import REPO
 

@@ -22,7 +22,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from services.sampler.routes.dashboard import STATIC
+from services.sampler.api.routes.dashboard import STATIC
 from tests.reliability.support import Cleanup, kill_embedded_redis, stop_process, wait_for
 from tests.support.servers import start_sampler_process, start_standin
 

@@ -49,7 +49,7 @@ def test_5xx_hanging_and_dead_servers_fail_over_stall_and_recover(tmp_path: Path
     dying = start_standin_process(tmp_path, cleanup)
     httpx.post(f"{failing.url}/_standin/fail", params={"count": 10**9})
     # Accepts requests, never finishes them, and says it is running (a paused server would be
-    # resumed by the sampler: services/sampler/liveness.py).
+    # resumed by the sampler: services/sampler/fleet/liveness.py).
     httpx.post(f"{hanging.url}/_standin/configure", json={"hung": True})
     cleanup.add(lambda: httpx.post(f"{hanging.url}/_standin/configure", json={"hung": False}))
     run_dir = tmp_path / "sampler"

@@ -1,7 +1,7 @@
 """Inference servers that stop answering without dying (issue 42): a process frozen with
 SIGSTOP (its sockets accept connections, nothing answers) and a server paused by someone else.
 
-The sampler judges liveness apart from the work a server does (services/sampler/liveness.py):
+The sampler judges liveness apart from the work a server does (services/sampler/fleet/liveness.py):
 a frozen server leaves rotation within `server_check_timeout` whatever it was doing, the
 requests in flight to it are re-run on another server (a conversation moves with its next
 turn), a publication answers with the servers

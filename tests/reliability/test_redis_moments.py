@@ -1,6 +1,6 @@
 """Redis killed -9 at each dangerous moment of a step: nothing skipped, nothing changed.
 
-The sampler runs with its drill pause points (services/sampler/drill.py): it stops exactly at
+The sampler runs with its drill pause points (services/sampler/building/drill.py): it stops exactly at
 a moment (a step's claim taken, its batch built but not sealed, its first chunk file written
 and the rest not yet, its chunks written but not sealed, its seal acknowledged, a
 version about to be written, a version written but not yet answered), the drill kills Redis

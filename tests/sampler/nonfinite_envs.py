@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.sampler.envs.base import Completion, Example, Reward
+from services.sampler.rollouts.envs.base import Completion, Example, Reward
 from tests.support.envs import CountEnv
 
 

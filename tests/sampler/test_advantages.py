@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from services.sampler.advantages import NonFiniteAdvantages, group_advantages
+from services.sampler.rollouts.advantages import NonFiniteAdvantages, group_advantages
 
 
 def test_grpo_by_hand():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from services.sampler.packing import pieces, share_range
+from services.sampler.storage.packing import pieces, share_range
 from shared import codec
 from shared.chunks import FRAMES
 from shared.client import SamplerClient, SamplerRequestError

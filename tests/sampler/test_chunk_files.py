@@ -1,4 +1,4 @@
-"""The bulk store (services/sampler/chunk_files.py, batch_store = files): a batch's chunks are
+"""The bulk store (services/sampler/storage/chunk_files.py, batch_store = files): a batch's chunks are
 files written and fsynced once, Redis holds the manifest; trimming deletes the files, a start
 sweeps the orphans a crash left, a replica reads another's chunks, and a write that cannot
 finish within its bound fails its attempt once, with the batch's size and the bound, and the
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from services.sampler.chunk_files import ChunkFiles, StoreFailed, describe_bytes
-from services.sampler.keys import Keys
-from services.sampler.packing import SealedBatch, pack, pieces, share_range
-from services.sampler.store import Store
+from services.sampler.storage.chunk_files import ChunkFiles, StoreFailed, describe_bytes
+from services.sampler.storage.keys import Keys
+from services.sampler.storage.packing import SealedBatch, pack, pieces, share_range
+from services.sampler.storage.store import Store
 from shared.client import SamplerClient
 
 

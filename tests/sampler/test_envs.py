@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.sampler.envs import Completion, Environment, load_environment
-from services.sampler.envs.math import DEFAULT_PATH, MathEnv, extract_answer, numbers_match
-from services.sampler.envs.toy import ToyEnv
+from services.sampler.rollouts.envs import Completion, Environment, load_environment
+from services.sampler.rollouts.envs.math import DEFAULT_PATH, MathEnv, extract_answer, numbers_match
+from services.sampler.rollouts.envs.toy import ToyEnv
 
 
 def completion(text: str) -> Completion:
@@ -270,9 +270,9 @@ def test_load_environment_by_builtin_name_and_import_path(tmp_path):
     path = write_jsonl(
         tmp_path / "p.jsonl", ['{"id": "x", "question": "1+1?", "answer": 2, "split": "eval"}']
     )
-    custom = load_environment("services.sampler.envs.math:MathEnv", path=str(path))
+    custom = load_environment("services.sampler.rollouts.envs.math:MathEnv", path=str(path))
     assert [e.prompt_id for e in custom.examples("eval")] == ["math/x"]
-    assert load_environment("services.sampler.envs.toy:ToyEnv", seed=5).examples("eval") == ToyEnv(
+    assert load_environment("services.sampler.rollouts.envs.toy:ToyEnv", seed=5).examples("eval") == ToyEnv(
         seed=5
     ).examples("eval")
 
@@ -282,7 +282,7 @@ def test_load_environment_by_builtin_name_and_import_path(tmp_path):
     [
         ("no-such-env", "unknown environment"),
         ("no_such_package.module:Env", "cannot load"),
-        ("services.sampler.envs.toy:NoSuchFactory", "cannot load"),
+        ("services.sampler.rollouts.envs.toy:NoSuchFactory", "cannot load"),
         ("random:Random", "not an Environment"),
     ],
 )

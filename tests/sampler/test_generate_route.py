@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.sampler.completions import parse_generate
-from services.sampler.inference_pool import InferenceRequestError, WentBackwards
+from services.sampler.rollouts.completions import parse_generate
+from services.sampler.fleet.inference_pool import InferenceRequestError, WentBackwards
 
 pytestmark = pytest.mark.timeout(60)
 

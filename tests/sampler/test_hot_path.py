@@ -13,12 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.sampler import rollout_log
-from services.sampler.envs.base import Completion, Environment, Example, Reward, gather_now, run_now
+from services.sampler.observability import rollout_log
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward, gather_now, run_now
 from services.sampler.observability.metrics import SamplerMetrics, _StateCollector
 from services.sampler.observability.recent import RecentRollouts
-from services.sampler.completions import parse_completions
-from services.sampler.rollout_log import RolloutLog, to_table
+from services.sampler.rollouts.completions import parse_completions
+from services.sampler.observability.rollout_log import RolloutLog, to_table
 
 # ---------------------------------------------------------------- gather_now / run_now
 
@@ -327,7 +327,7 @@ def test_observe_counts_matches_observing_each_value():
 
 
 def test_finished_group_samples_are_the_arrays_form_of_its_samples():
-    from services.sampler.rollout import Group
+    from services.sampler.rollouts.rollout import Group
     from shared import codec
 
     prompt = [10, 11, 12]
@@ -372,12 +372,12 @@ def test_gc_tuning_only_in_the_process_that_enables_it():
     import subprocess
     import sys
 
-    from services.sampler import gc_tuning
+    from services.sampler.observability import gc_tuning
 
     frozen = gc.get_freeze_count()
     gc_tuning.settle()  # not enabled here (an app in a test process): nothing happens
     assert gc.get_freeze_count() == frozen
-    code = ("import gc; from services.sampler import gc_tuning; gc_tuning.enable(); "
+    code = ("import gc; from services.sampler.observability import gc_tuning; gc_tuning.enable(); "
             "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
             "assert gc.get_threshold()[0] == gc_tuning.GEN0_THRESHOLD")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -400,7 +400,7 @@ def test_rollout_table_with_one_extra_key_of_every_kind():
 
 
 def test_summarize_batch_counts_every_sample():
-    from services.sampler.rollout import summarize_batch
+    from services.sampler.rollouts.rollout import summarize_batch
 
     samples = [sample(i, reward=float(i % 3), policy_version=[2, 3, 2, 1][i % 4], finish_reason=["stop", "length"][i % 2],
                       rewards={"correct": float(i % 3)} if i % 5 else {"format": 0.5, "correct": 1.0},
@@ -428,7 +428,7 @@ def test_summarize_batch_counts_every_sample():
 
 
 def test_rollout_table_from_the_sealed_chunks_is_the_same_table():
-    from services.sampler import packing
+    from services.sampler.storage import packing
     from shared import codec
 
     plain = {**awkward_payload(), "samples": [sample(i) for i in range(24)]}
@@ -454,7 +454,7 @@ def test_rollout_table_from_the_sealed_chunks_is_the_same_table():
 
 
 async def test_rollout_log_hook_builds_from_the_sealed_chunks_or_else_the_samples(tmp_path, monkeypatch):
-    from services.sampler import packing
+    from services.sampler.storage import packing
 
     payload = {**awkward_payload(), "samples": [sample(i) for i in range(24)]}
     sealed = packing.pack(3, payload["samples"], payload["stats"], 600)
@@ -509,7 +509,7 @@ def test_typed_fields_is_typed_field_for_each():
 
 
 async def test_score_all_is_gather_now_of_score():
-    from services.sampler.envs.base import score_all
+    from services.sampler.rollouts.envs.base import score_all
 
     async def right(example, completion):
         return float(completion.text == example.answer)

@@ -14,10 +14,10 @@ import pytest
 from fastapi import FastAPI, Request, Response
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.sampler.envs.base import Example
-from services.sampler.inference_pool import OK, InferencePool
-from services.sampler.completions import parse_completions
-from services.sampler.rollout import Rollouts, nonfinite_rewards
+from services.sampler.rollouts.envs.base import Example
+from services.sampler.fleet.inference_pool import OK, InferencePool
+from services.sampler.rollouts.completions import parse_completions
+from services.sampler.rollouts.rollout import Rollouts, nonfinite_rewards
 from shared.http_client import HttpClient
 from tests.sampler.nonfinite_envs import NanEnv
 from tests.support.driver import drive

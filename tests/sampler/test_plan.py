@@ -8,9 +8,9 @@ import asyncio
 import httpx
 import redis as redis_py
 
-from services.sampler.keys import Keys
-from services.sampler.packing import pack
-from services.sampler.store import Store
+from services.sampler.storage.keys import Keys
+from services.sampler.storage.packing import pack
+from services.sampler.storage.store import Store
 from tests.reliability.support import wait_for
 from tests.support.driver import drive
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.sampler.envs import Completion, EnvironmentLoadError, load_environment
+from services.sampler.rollouts.envs import Completion, EnvironmentLoadError, load_environment
 from tests.support.driver import batch_samples
 
 pytest.importorskip("reasoning_gym")  # a guard only: `make install` installs the extra

@@ -8,7 +8,7 @@ import logging
 import redis.asyncio as aioredis
 
 from services.procs import free_port
-from services.sampler.redis_link import RedisLink
+from services.sampler.storage.redis_link import RedisLink
 
 
 async def test_while_redis_is_down_the_monitor_looks_a_few_times_a_second_and_warns_once(caplog):

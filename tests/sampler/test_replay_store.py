@@ -10,9 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.sampler.config import SamplerSettings
-from services.sampler.keys import Keys
-from services.sampler.replay_store import ReplayPool
-from services.sampler.strategies import BuildContext, load_strategy
+from services.sampler.storage.keys import Keys
+from services.sampler.storage.replay_store import ReplayPool
+from services.sampler.building.strategies import BuildContext, load_strategy
 
 
 @pytest.fixture

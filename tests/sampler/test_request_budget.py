@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from services.sampler.inference_pool import OK, InferencePool, InferenceUnavailable
+from services.sampler.fleet.inference_pool import OK, InferencePool, InferenceUnavailable
 from shared.http_client import HttpClient
 from tests.support.servers import UvicornThread, start_standin
 

@@ -7,15 +7,15 @@ import asyncio
 import httpx
 import pytest
 
-from services.sampler.inference_pool import (
+from services.sampler.fleet.inference_pool import (
     OK,
     InferencePool,
     InferenceRequestError,
     InferenceUnavailable,
     WentBackwards,
 )
-from services.sampler.completions import parse_completions
-from services.sampler.seeds import DatasetOrder
+from services.sampler.rollouts.completions import parse_completions
+from services.sampler.rollouts.seeds import DatasetOrder
 from shared.http_client import HttpClient
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from services.sampler.keys import Keys
-from services.sampler.packing import SealedBatch, pack
-from services.sampler.store import Store
+from services.sampler.storage.keys import Keys
+from services.sampler.storage.packing import SealedBatch, pack
+from services.sampler.storage.store import Store
 from shared.chunks import decode_chunk, samples_of
 from tests.support.servers import start_redis
 

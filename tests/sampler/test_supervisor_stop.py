@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.sampler.supervisor import Supervisor
+from services.sampler.storage.supervisor import Supervisor
 
 
 async def test_a_task_that_stops_when_cancelled_is_waited_for():

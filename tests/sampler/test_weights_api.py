@@ -103,10 +103,10 @@ async def test_a_sync_cut_off_by_shutdown_still_resumes_the_server(standin, redi
 
     import redis.asyncio as aioredis
 
-    from services.sampler.inference_pool import InferencePool
-    from services.sampler.keys import Keys
-    from services.sampler.store import Store
-    from services.sampler.weight_sync import WeightSync
+    from services.sampler.fleet.inference_pool import InferencePool
+    from services.sampler.storage.keys import Keys
+    from services.sampler.storage.store import Store
+    from services.sampler.fleet.weight_sync import WeightSync
     from shared.http_client import HttpClient
 
     httpx.post(f"{standin.url}/_standin/configure", json={"reload_delay": 30.0, "resume_delay": 0.5})

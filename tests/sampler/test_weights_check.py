@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.sampler import weights_check
-from services.sampler.weights_check import NonFinite, Unreadable, scan_checkpoint
+from services.sampler.fleet import weights_check
+from services.sampler.fleet.weights_check import NonFinite, Unreadable, scan_checkpoint
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn]
 

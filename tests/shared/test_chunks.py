@@ -1,5 +1,5 @@
 """The chunked batch format (shared/chunks.py) and how batches are cut into chunks and shares
-(services/sampler/packing.py): every value comes back with its type, every array is 8-aligned,
+(services/sampler/storage/packing.py): every value comes back with its type, every array is 8-aligned,
 a frame decodes to views of the received buffer, and broken bodies are clear ValueErrors."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from services.sampler import packing
+from services.sampler.storage import packing
 from shared.chunks import (
     BatchArrays, decode_chunk, decode_frame, encode_samples, frame_head, samples_of, slice_chunk,
 )

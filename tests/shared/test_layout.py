@@ -1,6 +1,7 @@
 """The house rules that code review alone would let slip: no import circles in `services/` or
-`shared/`. Every import counts, at module level, inside a function or under TYPE_CHECKING:
-a circle hidden in a function is still a circle."""
+`shared/`, and the sampler's rooms (services/sampler/*/) import one way only, top to bottom.
+Every import counts, at module level, inside a function or under TYPE_CHECKING: a circle hidden
+in a function is still a circle."""
 
 from __future__ import annotations
 
@@ -88,3 +89,34 @@ def test_no_import_circles() -> None:
 
 def test_the_check_sees_a_circle() -> None:
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The sampler's rooms, top to bottom (each subpackage's __init__ says what it may import).
+# app.py and entrypoint.py wire them together above all of them; config.py, the settings, is
+# the floor every room may stand on.
+ROOMS = ("api", "observability", "building", "rollouts", "fleet", "storage")
+
+
+def _room(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["services", "sampler"] or len(parts) < 3:
+        return None
+    if parts[2] in ROOMS:
+        return ROOMS.index(parts[2])
+    return {"app": -1, "entrypoint": -1, "config": len(ROOMS)}.get(parts[2])
+
+
+def test_the_sampler_rooms_import_downwards_only() -> None:
+    upward = []
+    for name, targets in _imports(_modules()).items():
+        here = _room(name)
+        if here is None:
+            continue
+        upward += [f"{name} -> {t}" for t in targets if (there := _room(t)) is not None and there < here]
+    assert upward == [], "a room imports one above it:\n" + "\n".join(sorted(upward))
+
+
+def test_every_sampler_module_lives_in_a_room() -> None:
+    loose = [name for name in _modules() if name.startswith("services.sampler.") and _room(name) is None]
+    assert loose == [], f"modules outside the rooms (services/sampler/{{{','.join(ROOMS)}}}/): {loose}"
+

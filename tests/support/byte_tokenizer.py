@@ -1,6 +1,6 @@
 """A tokenizer of the stand-in's tokens (services/inference/standin.py: token id = byte value,
 id 0 = EOS), with the tiny model's chat template: what a sampler must load to render turns the
-stand-in reads (a verifiers environment renders locally, services/sampler/vf/renderer.py).
+stand-in reads (a verifiers environment renders locally, services/sampler/rollouts/vf/renderer.py).
 Chat markup is plain text here, as the stand-in sees it: `<|im_end|>` is ten bytes."""
 
 from __future__ import annotations

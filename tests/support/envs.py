@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.sampler.envs.base import Completion, Environment, Example, Reward
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward
 
 
 async def _has_digit(example: Example, completion: Completion) -> float:
@@ -66,7 +66,7 @@ class LetterEnv(CountEnv):
 
 # --- multi-turn ------------------------------------------------------------------------------
 
-from services.sampler.envs.multiturn import Conversation, MultiTurnEnvironment  # noqa: E402
+from services.sampler.rollouts.envs.multiturn import Conversation, MultiTurnEnvironment  # noqa: E402
 
 
 async def _turns(example: Example, completion: Completion) -> float:

@@ -130,7 +130,7 @@ def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "eve
     """A private redis-server with AOF on (unless `appendonly` is False), on `port` or a free one."""
     import redis
 
-    from services.sampler.redis_server import redis_binary
+    from services.sampler.storage.redis_server import redis_binary
 
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.sampler.strategies import BuildContext, Strategy
+from services.sampler.building.strategies import BuildContext, Strategy
 
 
 class TaggedFresh(Strategy):

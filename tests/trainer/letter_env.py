@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import string
 
-from services.sampler.envs.base import Completion, Environment, Example, Reward
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward
 
 
 async def letter_fraction(example: Example, completion: Completion) -> float:

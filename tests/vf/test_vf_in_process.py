@@ -1,4 +1,4 @@
-"""verifiers' training client in-process (services/sampler/vf/local_client.py): the same
+"""verifiers' training client in-process (services/sampler/rollouts/vf/local_client.py): the same
 samples, token for token, and the same errors as over the sampler's HTTP route; the
 interception server builds it only for its own config; the model contexts a verifiers
 environment reuses are rebuilt when what they hold changes."""
@@ -18,14 +18,14 @@ from verifiers.v1.interception import server as server_module
 from verifiers.v1.interception.server import InterceptionServer
 
 from services.inference.testing import running_server
-from services.sampler.envs import load_environment
-from services.sampler.inference_pool import OK, InferencePool
-from services.sampler.multiturn.stats import EnvStats
-from services.sampler.multiturn.workers import Workers
-from services.sampler.rollout import Rollouts
-from services.sampler.vf import local_client
-from services.sampler.vf.environment import VerifiersLink
-from services.sampler.vf.sessions import Sessions
+from services.sampler.rollouts.envs import load_environment
+from services.sampler.fleet.inference_pool import OK, InferencePool
+from services.sampler.rollouts.multiturn.stats import EnvStats
+from services.sampler.rollouts.multiturn.workers import Workers
+from services.sampler.rollouts.rollout import Rollouts
+from services.sampler.rollouts.vf import local_client
+from services.sampler.rollouts.vf.environment import VerifiersLink
+from services.sampler.rollouts.vf.sessions import Sessions
 from shared.http_client import HttpClient
 from shared.wire import Sample
 

@@ -1,5 +1,5 @@
 """The cache of pydantic's "does this default_factory take the validated data?"
-(services/sampler/vf/pydantic_defaults.py): pydantic's own answers, kept only for factories
+(services/sampler/rollouts/vf/pydantic_defaults.py): pydantic's own answers, kept only for factories
 whose signature cannot change, and model_construct's defaults as before."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from pydantic import BaseModel, Field
 from pydantic._internal import _fields
 
-from services.sampler.vf import pydantic_defaults
+from services.sampler.rollouts.vf import pydantic_defaults
 
 
 def plain_ask(factory):

@@ -1,4 +1,4 @@
-"""The Tandem renderer (services/sampler/vf/renderer.py) against the tiny model's own chat
+"""The Tandem renderer (services/sampler/rollouts/vf/renderer.py) against the tiny model's own chat
 template: full renders are the template's, and a bridge keeps sampled ids verbatim."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.sampler.vf.renderer import TandemRenderer
+from services.sampler.rollouts.vf.renderer import TandemRenderer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
                                             "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
@@ -86,7 +86,7 @@ def test_tool_calls_are_read_in_the_hermes_format_and_turns_stop_at_im_end(token
 
 
 def test_cached_renders_are_the_templates_and_the_cache_is_bounded(tokenizer, monkeypatch) -> None:
-    from services.sampler.vf import renderer as module
+    from services.sampler.rollouts.vf import renderer as module
 
     renderer = TandemRenderer(tokenizer)
     conversations = [[{"role": "user", "content": f"count {i}"}] for i in range(6)]

@@ -29,13 +29,13 @@ def word_list(monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def load(env_args: dict):
-    from services.sampler.envs import load_environment
+    from services.sampler.rollouts.envs import load_environment
 
     return load_environment("verifiers:textarena", **env_args)
 
 
 def test_an_infinite_taskset_is_refused_naming_the_limit_key(word_list: Path) -> None:
-    from services.sampler.envs import EnvironmentLoadError
+    from services.sampler.rollouts.envs import EnvironmentLoadError
 
     with pytest.raises(EnvironmentLoadError) as refused:
         load(HANGMAN)
@@ -57,7 +57,7 @@ def test_limit_indexes_the_first_tasks_of_each_split_the_same_every_time(word_li
 
 @pytest.mark.parametrize("limit", [0, -1, True, "8", {"test": 3}, {"train": 2.5}])
 def test_a_bad_limit_is_refused_in_one_line(word_list: Path, limit: object) -> None:
-    from services.sampler.envs import EnvironmentLoadError
+    from services.sampler.rollouts.envs import EnvironmentLoadError
 
     with pytest.raises(EnvironmentLoadError, match="env-args 'limit'"):
         load({**HANGMAN, "limit": limit})

@@ -196,8 +196,8 @@ def test_a_restarted_server_loads_a_deltas_chain(vllm_server: VllmHandle, versio
 def test_the_sampler_refuses_a_delta_to_vllm_without_the_extension(versions: SimpleNamespace) -> None:
     """vLLM's own reload would read delta.safetensors as weights: the sync fails first, saying how
     to fix it, and the server is never paused. No vLLM needed: /server_info is answered here."""
-    from services.sampler.inference_pool import Server
-    from services.sampler.weight_sync import SyncStepError, WeightSync
+    from services.sampler.fleet.inference_pool import Server
+    from services.sampler.fleet.weight_sync import SyncStepError, WeightSync
 
     asked: list[str] = []
 

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.sampler.envs import load_environment
-from services.sampler.envs.multiturn import Conversation
+from services.sampler.rollouts.envs import load_environment
+from services.sampler.rollouts.envs.multiturn import Conversation
 from tests.multiturn.conftest import make_rollouts  # noqa: F401 - the fixture, shared with the CPU tier
 from tests.support.vllm import VllmHandle
 

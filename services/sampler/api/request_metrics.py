@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from services.sampler.state import SamplerState
+    from services.sampler.api.state import SamplerState
 
 
 class HttpMetricsMiddleware:

@@ -10,27 +10,27 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from services.sampler.config import SamplerSettings
-from services.sampler.curriculum import Curriculum
-from services.sampler.drill import Drill
-from services.sampler.evals import Evals
-from services.sampler.fleet import Fleet
-from services.sampler.inference_pool import InferencePool
-from services.sampler.notify import Notifier
+from services.sampler.building.curriculum import Curriculum
+from services.sampler.building.drill import Drill
+from services.sampler.building.evals import Evals
+from services.sampler.fleet.members import Fleet
+from services.sampler.fleet.inference_pool import InferencePool
+from services.sampler.storage.notify import Notifier
 from services.sampler.observability.metrics import SamplerMetrics
 from services.sampler.observability.recent import RecentRollouts
 from services.sampler.observability.throughput import ThroughputHistory
-from services.sampler.producer import Producer
-from services.sampler.redis_link import RedisLink
-from services.sampler.redis_server import EmbeddedRedis
-from services.sampler.rollout import Rollouts
-from services.sampler.rollout_log import RolloutLog
-from services.sampler.sources import FreshGroups
-from services.sampler.store import Store
-from services.sampler.strategies import Strategy
-from services.sampler.supervisor import Supervisor
-from services.sampler.vf.sessions import Sessions
-from services.sampler.weight_sync import WeightSync
-from services.sampler.weights_check import WeightsCheck
+from services.sampler.building.producer import Producer
+from services.sampler.storage.redis_link import RedisLink
+from services.sampler.storage.redis_server import EmbeddedRedis
+from services.sampler.rollouts.rollout import Rollouts
+from services.sampler.observability.rollout_log import RolloutLog
+from services.sampler.building.sources import FreshGroups
+from services.sampler.storage.store import Store
+from services.sampler.building.strategies import Strategy
+from services.sampler.storage.supervisor import Supervisor
+from services.sampler.rollouts.vf.sessions import Sessions
+from services.sampler.fleet.weight_sync import WeightSync
+from services.sampler.fleet.weights_check import WeightsCheck
 from shared.http_client import HttpClient
 
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from shared import contract
 
 if TYPE_CHECKING:
-    from services.sampler.evals import Evals
-    from services.sampler.state import SamplerState
+    from services.sampler.building.evals import Evals
+    from services.sampler.api.state import SamplerState
 
 
 def staleness_histogram(batches: list[dict[str, Any]]) -> dict[str, int]:

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from services.sampler.keys import Keys
-from services.sampler.notify import Notifier
-from services.sampler.redis_link import RedisLink, is_outage
-from services.sampler.rollout import Rollouts, describe_rewards, nonfinite_rewards
+from services.sampler.storage.keys import Keys
+from services.sampler.storage.notify import Notifier
+from services.sampler.storage.redis_link import RedisLink, is_outage
+from services.sampler.rollouts.rollout import Rollouts, describe_rewards, nonfinite_rewards
 from shared.aio import wait_event
 
 log = logging.getLogger("tandem.sampler.evals")

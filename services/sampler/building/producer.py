@@ -43,19 +43,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.sampler.chunk_files import StoreFailed
-from services.sampler.drill import Drill
-from services.sampler.healing import HealLog
-from services.sampler.inference_pool import OK, InferencePool
-from services.sampler import packing
-from services.sampler.notify import Notifier
-from services.sampler.packing import SealedBatch
-from services.sampler.redis_link import RedisLink, is_outage
-from services.sampler.replay_store import ReplayPool
-from services.sampler.rollout import summarize_batch
-from services.sampler.sources import FreshGroups
-from services.sampler.store import Store
-from services.sampler.strategies import BuildContext, Strategy
+from services.sampler.storage.chunk_files import StoreFailed
+from services.sampler.building.drill import Drill
+from services.sampler.storage.healing import HealLog
+from services.sampler.fleet.inference_pool import OK, InferencePool
+from services.sampler.storage import packing
+from services.sampler.storage.notify import Notifier
+from services.sampler.storage.packing import SealedBatch
+from services.sampler.storage.redis_link import RedisLink, is_outage
+from services.sampler.storage.replay_store import ReplayPool
+from services.sampler.rollouts.rollout import summarize_batch
+from services.sampler.building.sources import FreshGroups
+from services.sampler.storage.store import Store
+from services.sampler.building.strategies import BuildContext, Strategy
 from shared import codec, contract
 from shared.aio import wait_any, wait_event
 from shared.chunks import samples_of_chunks

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.sampler.curriculum import Curriculum
-from services.sampler.rollout import ENV_FAILED, Group, Rollouts
-from services.sampler.seeds import DatasetOrder, derive_seed
+from services.sampler.building.curriculum import Curriculum
+from services.sampler.rollouts.rollout import ENV_FAILED, Group, Rollouts
+from services.sampler.rollouts.seeds import DatasetOrder, derive_seed
 
 log = logging.getLogger("tandem.sampler.sources")
 

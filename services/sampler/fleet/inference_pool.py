@@ -13,7 +13,7 @@
   the request was sent means the server lost its weights (it restarted): the answer is
   dropped, the server is taken out of rotation and reported to `on_suspect` (the fleet
   checks it at once), and the request is retried elsewhere.
-* Membership changes at run time (`add`, `remove`); the fleet (fleet.py) decides who is in.
+* Membership changes at run time (`add`, `remove`); the fleet (fleet/members.py) decides who is in.
 * Session affinity: a request that names a `session` (one multi-turn trajectory) goes to
   the server its session is bound to, where the conversation so far sits in the prefix
   cache, and carries vLLM's `X-Session-ID` header. A session is bound on its first request

@@ -1,6 +1,6 @@
 """Liveness: whether an inference server answers at all, judged apart from the work it does.
 
-The fleet (fleet.py) asks every server `GET /is_paused` (vLLM's dev-mode route; Tandem's CPU
+The fleet (fleet/members.py) asks every server `GET /is_paused` (vLLM's dev-mode route; Tandem's CPU
 server has the same) every `server_check_interval` seconds, and at once when a sync to it
 starts, whatever it is doing: generating, syncing, being probed or re-synced. A server without
 the route (vLLM outside dev mode) is asked `GET /health` instead. What the answer decides:
@@ -23,9 +23,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from services.sampler.inference_pool import DOWN, JOINING, OK, RESYNCING, InferencePool, Server
-from services.sampler.store import Store
-from services.sampler.weight_sync import SyncStepError, WeightSync
+from services.sampler.fleet.inference_pool import DOWN, JOINING, OK, RESYNCING, InferencePool, Server
+from services.sampler.storage.store import Store
+from services.sampler.fleet.weight_sync import SyncStepError, WeightSync
 from shared.http_client import TransportError
 
 log = logging.getLogger("tandem.sampler.liveness")

@@ -36,15 +36,15 @@ import logging
 import time
 from typing import Any
 
-from services.sampler.inference_pool import (
+from services.sampler.fleet.inference_pool import (
     DOWN, JOINING, LEAVING, MISMATCH, OK, RESYNCING, STALE, InferencePool, Server,
 )
-from services.sampler.liveness import Liveness
-from services.sampler.notify import Notifier
-from services.sampler.redis_link import is_outage
+from services.sampler.fleet.liveness import Liveness
+from services.sampler.storage.notify import Notifier
+from services.sampler.storage.redis_link import is_outage
 from shared.aio import wait_any
-from services.sampler.store import Store
-from services.sampler.weight_sync import SyncStepError, WeightSync, parse_version_label
+from services.sampler.storage.store import Store
+from services.sampler.fleet.weight_sync import SyncStepError, WeightSync, parse_version_label
 from shared.http_client import TransportError
 
 log = logging.getLogger("tandem.sampler.fleet")

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.inference.vllm_ext import EXTENSION_CLS, RELOAD_METHOD
-from services.sampler.inference_pool import MISMATCH, OK, RESYNCING, STALE, InferencePool, Server
-from services.sampler.store import Store
+from services.sampler.fleet.inference_pool import MISMATCH, OK, RESYNCING, STALE, InferencePool, Server
+from services.sampler.storage.store import Store
 from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
 from shared.aio import Abandoned, Cuttable, gather_first_error
 from shared.http_client import Reply, TransportError

@@ -18,7 +18,7 @@ in a worker thread (numpy and file reads release the GIL), so the event loop kee
 A checkpoint whose files are unchanged since their last clean scan is not scanned again (a
 retried publication): `WeightsCheck`, one per sampler (SamplerState.weights_check), remembers it.
 
-Speed, measured with `.venv/bin/python -m services.sampler.weights_check --bench 1` (writes a
+Speed, measured with `.venv/bin/python -m services.sampler.fleet.weights_check --bench 1` (writes a
 1.07 GB bf16 file to a temporary directory and scans it, best of 3) on the 2-core development
 VM with other test runs sharing it: 0.09-0.21 s from the page cache (5-11 GB/s; a checkpoint
 the trainer just wrote is there) and 0.45-0.51 s with its pages evicted (2.1-2.4 GB/s, the

@@ -1,15 +1,18 @@
-"""Observability of one sampler: Prometheus metrics, throughput history, recent rollouts.
+"""Observability of one sampler: Prometheus metrics, throughput history, recent rollouts, the
+W&B/TensorBoard mirror, the Parquet rollout log and the process's GC settings. May import
+building, rollouts, fleet, storage and config; never api (the HTTP middleware and the /status
+views that read the whole state live there).
 
 Contract:
 * The app's lifespan creates each part and keeps it in a typed field of `SamplerState`:
   `metrics` (`metrics.SamplerMetrics`), `throughput` (`throughput.ThroughputHistory`),
   `recent_rollouts` (`recent.RecentRollouts`); the Parquet rollout log, when enabled, is
-  `rollout_log` (services/sampler/rollout_log.py).
+  `rollout_log` (services/sampler/observability/rollout_log.py).
 * `SamplerMetrics` owns a private `CollectorRegistry` (never the process-global default
   one), so several samplers in one process (the tests) never share or clash on metrics.
 * Event metrics (HTTP requests, sealed samples, rewards, staleness, seal latency,
   long-poll waits, weight-sync durations) are observed as they happen: HTTP by
-  `http.HttpMetricsMiddleware`, batches by `SamplerMetrics.on_sealed` (a producer hook),
+  `api/request_metrics.HttpMetricsMiddleware`, batches by `SamplerMetrics.on_sealed` (a producer hook),
   syncs by `SamplerMetrics.on_synced` (a weight-sync hook).
 * Counters the sampler already keeps (completions, tokens, inference errors and
   retries, per-server requests) are read at scrape time by a custom collector, so

@@ -17,17 +17,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.sampler.inference_pool import OK, STATES
-from services.sampler.multiturn.stats import FIELDS, EnvStats
-from services.sampler.redis_link import RedisLink, is_outage
+from services.sampler.fleet.inference_pool import OK, STATES
+from services.sampler.rollouts.multiturn.stats import FIELDS, EnvStats
+from services.sampler.storage.redis_link import RedisLink, is_outage
 from shared import contract
 
 if TYPE_CHECKING:
-    from services.sampler.inference_pool import InferencePool
-    from services.sampler.producer import Producer
-    from services.sampler.rollout import Rollouts
-    from services.sampler.store import Store
-    from services.sampler.weight_sync import SyncResult
+    from services.sampler.fleet.inference_pool import InferencePool
+    from services.sampler.building.producer import Producer
+    from services.sampler.rollouts.rollout import Rollouts
+    from services.sampler.storage.store import Store
+    from services.sampler.fleet.weight_sync import SyncResult
 
 REWARD_BUCKETS = (-2.0, -1.0, -0.5, -0.25, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.5, 2.0, 5.0)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)

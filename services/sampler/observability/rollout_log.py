@@ -49,7 +49,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-from services.sampler import gc_tuning
+from services.sampler.observability import gc_tuning
 from shared.chunks import decode_chunk, keys_of, values_of
 from shared.contract import staleness
 

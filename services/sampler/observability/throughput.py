@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.sampler.rollout import Rollouts
+    from services.sampler.rollouts.rollout import Rollouts
 
 HISTORY_SECONDS = 600
 RATE_WINDOW = 30.0  # seconds behind the "recent" throughput of /status

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.sampler.envs.base import Completion
-from services.sampler.inference_pool import InferenceRequestError, WentBackwards
+from services.sampler.rollouts.envs.base import Completion
+from services.sampler.fleet.inference_pool import InferenceRequestError, WentBackwards
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

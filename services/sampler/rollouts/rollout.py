@@ -23,18 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from services.sampler.advantages import NonFiniteAdvantages, group_advantages
-from services.sampler.completions import parse_completions
-from services.sampler.envs.base import Completion, Environment, Example, score_all
-from services.sampler.envs.multiturn import MultiTurnEnvironment
-from services.sampler.inference_pool import InferenceError, InferencePool, InferenceRequestError
-from services.sampler.multiturn.render import ChatRenderer
-from services.sampler.multiturn.stats import EnvStats
-from services.sampler.multiturn.trajectories import (
+from services.sampler.rollouts.advantages import NonFiniteAdvantages, group_advantages
+from services.sampler.rollouts.completions import parse_completions
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, score_all
+from services.sampler.rollouts.envs.multiturn import MultiTurnEnvironment
+from services.sampler.fleet.inference_pool import InferenceError, InferencePool, InferenceRequestError
+from services.sampler.rollouts.multiturn.render import ChatRenderer
+from services.sampler.rollouts.multiturn.stats import EnvStats
+from services.sampler.rollouts.multiturn.trajectories import (
     GroupFailed, group_trajectories, note_fault, reward_timeout, score, trajectory,
 )
-from services.sampler.multiturn.workers import Workers
-from services.sampler.seeds import DatasetOrder, derive_seed
+from services.sampler.rollouts.multiturn.workers import Workers
+from services.sampler.rollouts.seeds import DatasetOrder, derive_seed
 from shared import codec
 from shared.contract import staleness
 from shared.wire import BatchStats, new_sample

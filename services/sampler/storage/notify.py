@@ -18,7 +18,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.sampler.redis_link import RedisLink, is_outage
+from services.sampler.storage.redis_link import RedisLink, is_outage
 from shared.aio import wait_event
 
 log = logging.getLogger("tandem.sampler.notify")

@@ -10,7 +10,7 @@ Invariants:
 * Each draw and each addition is one MULTI block (`record_draw`, `record_add`): other
   replicas and a restarted sampler see the pool before or after it, never halfway.
 * The pool holds no policy: which groups are eligible, drawn, kept or evicted is the
-  strategy's decision (services/sampler/strategies/replay.py); this class reads and writes.
+  strategy's decision (services/sampler/building/strategies/replay.py); this class reads and writes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from services.sampler.keys import Keys
+from services.sampler.storage.keys import Keys
 from shared import codec
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.sampler.config import SamplerSettings
-from services.sampler.keys import Keys
+from services.sampler.storage.keys import Keys
 from shared.settings import SettingsError
 
 log = logging.getLogger("tandem.sampler.run")

@@ -41,10 +41,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from services.sampler import store_scripts as scripts
-from services.sampler.chunk_files import ChunkFiles, StoreFailed, describe_bytes
-from services.sampler.keys import Keys
-from services.sampler.packing import SealedBatch, pack
+from services.sampler.storage import store_scripts as scripts
+from services.sampler.storage.chunk_files import ChunkFiles, StoreFailed, describe_bytes
+from services.sampler.storage.keys import Keys
+from services.sampler.storage.packing import SealedBatch, pack
 from shared import codec
 from shared.aio import wait_event
 from shared.probe import Probe

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from services.sampler.redis_link import RedisLink, is_outage
+from services.sampler.storage.redis_link import RedisLink, is_outage
 
 log = logging.getLogger("tandem.supervisor")
 

@@ -1,4 +1,4 @@
-"""A single-turn verifiers taskset for tests: the toy task (services/sampler/envs/toy.py) as
+"""A single-turn verifiers taskset for tests: the toy task (services/sampler/rollouts/envs/toy.py) as
 verifiers writes tasks. "even or odd? 4827" -> "o"; the reward reads the first character.
 With `accept` set, an answer is right when it starts with any of those characters, whatever
 the number: a task a fresh model learns in a few steps even behind a chat template (parity

@@ -17,9 +17,9 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.background import BackgroundTask
 
-from services.sampler.deps import State
-from services.sampler.packing import SealedBatch, pieces, share_range
-from services.sampler.store import Store
+from services.sampler.api.deps import State
+from services.sampler.storage.packing import SealedBatch, pieces, share_range
+from services.sampler.storage.store import Store
 from shared import codec
 from shared.aio import wait_event
 from shared.chunks import FRAMES, frame_head, gc_paused, samples_of_chunks, slice_chunk

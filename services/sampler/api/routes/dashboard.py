@@ -1,6 +1,6 @@
 """The dashboard: GET / serves static/index.html; GET /dashboard/data feeds its charts.
 
-The page is plain HTML+CSS+JS under services/sampler/static (no build step, no CDN),
+The page is plain HTML+CSS+JS under services/sampler/api/static (no build step, no CDN),
 served by FastAPI's StaticFiles at /static. It polls GET /status and GET
 /dashboard/data, which carries the series that /status keeps short: per-batch stats,
 the staleness histogram, the generation-vs-training timeline, eval rewards, throughput
@@ -16,8 +16,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
-from services.sampler.deps import State
-from services.sampler.observability.views import recent_evals, staleness_histogram, timeline
+from services.sampler.api.deps import State
+from services.sampler.api.views import recent_evals, staleness_histogram, timeline
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 

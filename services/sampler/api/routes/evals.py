@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from services.sampler.config import SamplerSettings
-from services.sampler.deps import State
-from services.sampler.envs import BUILTINS
+from services.sampler.api.deps import State
+from services.sampler.rollouts.envs import BUILTINS
 from shared.wire import EvalAccepted, EvalRequest, EvalResult
 
 router = APIRouter(tags=["eval"])

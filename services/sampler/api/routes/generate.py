@@ -1,5 +1,5 @@
 """POST /inference/v1/generate: vLLM's token-in, token-out endpoint, served by the sampler
-for verifiers' training client (services/sampler/vf) and forwarded to the inference pool.
+for verifiers' training client (services/sampler/rollouts/vf) and forwarded to the inference pool.
 
 The sampler is the one place every model call of a trajectory passes through, so calls
 routed here get what the sampler's own rollouts get: the version gate (a server serving
@@ -30,9 +30,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from services.sampler.deps import State
-from services.sampler.inference_pool import InferenceRequestError, InferenceUnavailable
-from services.sampler.vf.generate import ROUTE, SESSION_HEADER, error_body, generate_tokens
+from services.sampler.api.deps import State
+from services.sampler.fleet.inference_pool import InferenceRequestError, InferenceUnavailable
+from services.sampler.rollouts.vf.generate import ROUTE, SESSION_HEADER, error_body, generate_tokens
 
 router = APIRouter(tags=["generate"])
 

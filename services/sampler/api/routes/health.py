@@ -2,7 +2,7 @@
 
 from fastapi import APIRouter
 
-from services.sampler.deps import State
+from services.sampler.api.deps import State
 from shared.wire import Health
 
 router = APIRouter(tags=["health"])

@@ -1,6 +1,6 @@
 """GET/POST/DELETE /inference_servers: the run's inference servers, changed at run time.
 
-Membership lives in Redis (fleet.py), so every replica and a restarted sampler use the same
+Membership lives in Redis (fleet/members.py), so every replica and a restarted sampler use the same
 set; `inference_urls` only seeds it. A server is added once it serves the published
 version (its answer says which), and is refused with the reason when it cannot be brought
 there. A removed server gets no new work; requests in flight to it finish, or are retried
@@ -13,8 +13,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 
-from services.sampler.deps import State
-from services.sampler.fleet import JoinRefused
+from services.sampler.api.deps import State
+from services.sampler.fleet.members import JoinRefused
 from shared.wire import InferenceServerRemoved, InferenceServerRequest, InferenceServers, ServerVersion
 
 router = APIRouter(tags=["inference servers"])

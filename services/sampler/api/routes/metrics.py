@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.sampler.deps import State
+from services.sampler.api.deps import State
 
 router = APIRouter(tags=["metrics"])
 

@@ -7,10 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from services.sampler.deps import State
-from services.sampler.observability.views import extend_status
-from services.sampler.redis_link import is_outage
-from services.sampler.state import SamplerState
+from services.sampler.api.deps import State
+from services.sampler.api.views import extend_status
+from services.sampler.storage.redis_link import is_outage
+from services.sampler.api.state import SamplerState
 from shared.contract import SamplerConfig
 
 router = APIRouter(tags=["status"])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, status
 
-from services.sampler.deps import State
-from services.sampler.inference_pool import DOWN, JOINING, LEAVING
-from services.sampler.state import SamplerState
+from services.sampler.api.deps import State
+from services.sampler.fleet.inference_pool import DOWN, JOINING, LEAVING
+from services.sampler.api.state import SamplerState
 from shared.wire import ServerVersion, WeightsVersion, WeightsVersionRequest
 
 router = APIRouter(tags=["weights"])

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.sampler.plugins import load_by_path
-from services.sampler.strategies.base import BuildContext, Strategy
+from services.sampler.rollouts.plugins import load_by_path
+from services.sampler.building.strategies.base import BuildContext, Strategy
 
 if TYPE_CHECKING:
     from services.sampler.config import SamplerSettings
 
 BUILTINS = {
-    "off_policy": "services.sampler.strategies.off_policy:OffPolicy",
-    "on_policy": "services.sampler.strategies.on_policy:OnPolicy",
-    "replay": "services.sampler.strategies.replay:Replay",
+    "off_policy": "services.sampler.building.strategies.off_policy:OffPolicy",
+    "on_policy": "services.sampler.building.strategies.on_policy:OnPolicy",
+    "replay": "services.sampler.building.strategies.replay:Replay",
 }
 
 

@@ -24,8 +24,8 @@ from shared import contract
 
 if TYPE_CHECKING:
     from services.sampler.config import SamplerSettings
-    from services.sampler.replay_store import ReplayPool
-    from services.sampler.sources import FreshGroups
+    from services.sampler.storage.replay_store import ReplayPool
+    from services.sampler.building.sources import FreshGroups
 
 
 @dataclass
@@ -35,7 +35,7 @@ class BuildContext:
     step: int
     min_version: int
     source: FreshGroups
-    # The run's replay pool in Redis (services/sampler/replay_store.py), shared by replicas.
+    # The run's replay pool in Redis (services/sampler/storage/replay_store.py), shared by replicas.
     replay_pool: ReplayPool
     env_name: str
     # Builds are numbered in the order the producer starts them (0, 1, ... per process);

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.sampler.strategies.base import Strategy
+from services.sampler.building.strategies.base import Strategy
 
 
 class OffPolicy(Strategy):

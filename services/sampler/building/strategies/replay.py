@@ -11,7 +11,7 @@ evicted first); `newest_per_prompt` retention keeps only the newest policy versi
 per prompt. Every served sample reports `use_count`, the times it has been served.
 
 This module is the policy; the pool's state (metadata and samples per group, each draw and
-each addition one atomic write) is `ctx.replay_pool`, services/sampler/replay_store.py.
+each addition one atomic write) is `ctx.replay_pool`, services/sampler/storage/replay_store.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from services.sampler.strategies.base import BuildContext, Strategy
+from services.sampler.building.strategies.base import BuildContext, Strategy
 from shared import contract
 
 

@@ -5,22 +5,22 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from services.sampler.plugins import load_by_path
-from services.sampler.envs.base import Completion, Environment, Example, Reward
-from services.sampler.envs.failures import EnvironmentLoadError, describe
-from services.sampler.envs.multiturn import Conversation, Message, MultiTurnEnvironment, Tool, Turn
+from services.sampler.rollouts.plugins import load_by_path
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward
+from services.sampler.rollouts.envs.failures import EnvironmentLoadError, describe
+from services.sampler.rollouts.envs.multiturn import Conversation, Message, MultiTurnEnvironment, Tool, Turn
 
 BUILTINS = {
-    "toy": "services.sampler.envs.toy:ToyEnv",
-    "math": "services.sampler.envs.math:MathEnv",
-    "parity_dialogue": "services.sampler.envs.parity_dialogue:ParityDialogueEnv",
-    "calculator": "services.sampler.envs.calculator:CalculatorEnv",
+    "toy": "services.sampler.rollouts.envs.toy:ToyEnv",
+    "math": "services.sampler.rollouts.envs.math:MathEnv",
+    "parity_dialogue": "services.sampler.rollouts.envs.parity_dialogue:ParityDialogueEnv",
+    "calculator": "services.sampler.rollouts.envs.calculator:CalculatorEnv",
 }
 
 
 def load_environment(name: str, **kwargs: Any) -> Environment:
     """`name` is a built-in (see BUILTINS), 'package.module:factory', 'verifiers:<taskset-id>'
-    (a verifiers environment; `kwargs` are then its [env] block, services/sampler/vf), or
+    (a verifiers environment; `kwargs` are then its [env] block, services/sampler/rollouts/vf), or
     'reasoning_gym:<dataset>' (`kwargs` are the dataset's config, envs/reasoning_gym.py).
 
     Whatever fails while the environment is imported, built or checked (a taskset, a harness,
@@ -34,11 +34,11 @@ def load_environment(name: str, **kwargs: Any) -> Environment:
 
 def _build(name: str, **kwargs: Any) -> Environment:
     if name.startswith("verifiers:"):
-        from services.sampler.vf.environment import VerifiersEnvironment
+        from services.sampler.rollouts.vf.environment import VerifiersEnvironment
 
         return VerifiersEnvironment(name.removeprefix("verifiers:"), **kwargs)
     if name.startswith("reasoning_gym:"):
-        from services.sampler.envs.reasoning_gym import ReasoningGymEnv
+        from services.sampler.rollouts.envs.reasoning_gym import ReasoningGymEnv
 
         return ReasoningGymEnv(name.removeprefix("reasoning_gym:"), **kwargs)
     factory = load_by_path(BUILTINS.get(name, name), "environment", list(BUILTINS))

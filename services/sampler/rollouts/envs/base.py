@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable,
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from services.sampler.multiturn.workers import is_async
+from services.sampler.rollouts.multiturn.workers import is_async
 
 Split = Literal["train", "eval"]
 

@@ -21,8 +21,8 @@ import operator
 import random
 from collections.abc import Sequence
 
-from services.sampler.envs.base import Completion, Example, Reward, Split
-from services.sampler.envs.multiturn import MultiTurnEnvironment, Tool
+from services.sampler.rollouts.envs.base import Completion, Example, Reward, Split
+from services.sampler.rollouts.envs.multiturn import MultiTurnEnvironment, Tool
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}

@@ -30,7 +30,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from services.sampler.envs.base import Completion, Environment, Example, Reward, Split
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward, Split
 
 DEFAULT_PATH = Path(__file__).with_name("data") / "math_sample.jsonl"
 

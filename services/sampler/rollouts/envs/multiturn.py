@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.sampler.envs.base import Environment, Example
+from services.sampler.rollouts.envs.base import Environment, Example
 from shared.toolcalls import ToolCall
 
 Message = dict[str, Any]

@@ -29,9 +29,9 @@ import itertools
 import random
 from collections.abc import Sequence
 
-from services.sampler.envs.base import Completion, Example, Reward, Split
-from services.sampler.envs.multiturn import Conversation, Message, MultiTurnEnvironment
-from services.sampler.envs.toy import answer_for, first_answer_char
+from services.sampler.rollouts.envs.base import Completion, Example, Reward, Split
+from services.sampler.rollouts.envs.multiturn import Conversation, Message, MultiTurnEnvironment
+from services.sampler.rollouts.envs.toy import answer_for, first_answer_char
 
 
 class ParityDialogueEnv(MultiTurnEnvironment):

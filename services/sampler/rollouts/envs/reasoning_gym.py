@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from services.sampler.envs.base import Completion, Environment, Example, Reward, Split
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward, Split
 
 EXTRA = "pip install 'tandem[reasoning-gym]'"
 EVAL_SEED_OFFSET = 1_000_003

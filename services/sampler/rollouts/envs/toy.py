@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from services.sampler.envs.base import Completion, Environment, Example, Reward, Split
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Reward, Split
 
 PROMPT_PREFIX = "even or odd? "
 LABELS = "eo"  # index = last digit % 2

@@ -7,5 +7,5 @@
 * workers.py: the worker threads that keep synchronous environment code off the event loop.
 * stats.py: per-environment counters of turns, tool calls, errors, retries and drops.
 
-The environment's interface is services/sampler/envs/multiturn.py.
+The environment's interface is services/sampler/rollouts/envs/multiturn.py.
 """

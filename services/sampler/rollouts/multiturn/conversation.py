@@ -24,12 +24,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from services.sampler.envs.base import Completion, Example
-from services.sampler.envs.multiturn import Conversation, MultiTurnEnvironment, Turn
-from services.sampler.multiturn.render import ChatRenderer
-from services.sampler.multiturn.stats import EnvCounts
-from services.sampler.multiturn.tools import run_tool_calls
-from services.sampler.multiturn.workers import Workers
+from services.sampler.rollouts.envs.base import Completion, Example
+from services.sampler.rollouts.envs.multiturn import Conversation, MultiTurnEnvironment, Turn
+from services.sampler.rollouts.multiturn.render import ChatRenderer
+from services.sampler.rollouts.multiturn.stats import EnvCounts
+from services.sampler.rollouts.multiturn.tools import run_tool_calls
+from services.sampler.rollouts.multiturn.workers import Workers
 from shared.toolcalls import parse_tool_calls
 
 # (prompt ids, max_tokens) -> the one completion sampled from them.

@@ -11,9 +11,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from services.sampler.envs.multiturn import Message, Tool
-from services.sampler.multiturn.stats import EnvCounts
-from services.sampler.multiturn.workers import Workers
+from services.sampler.rollouts.envs.multiturn import Message, Tool
+from services.sampler.rollouts.multiturn.stats import EnvCounts
+from services.sampler.rollouts.multiturn.workers import Workers
 from shared.toolcalls import ToolCall
 
 log = logging.getLogger("tandem.sampler.tools")

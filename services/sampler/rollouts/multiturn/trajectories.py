@@ -16,19 +16,19 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from services.sampler.envs.base import Completion, Environment, Example
-from services.sampler.inference_pool import InferenceError, InferencePool
-from services.sampler.multiturn.conversation import EnvFault, Limits, run_conversation
-from services.sampler.multiturn.render import ChatRenderer
-from services.sampler.multiturn.stats import EnvStats
-from services.sampler.multiturn.workers import Workers
-from services.sampler.seeds import derive_seed
+from services.sampler.rollouts.envs.base import Completion, Environment, Example
+from services.sampler.fleet.inference_pool import InferenceError, InferencePool
+from services.sampler.rollouts.multiturn.conversation import EnvFault, Limits, run_conversation
+from services.sampler.rollouts.multiturn.render import ChatRenderer
+from services.sampler.rollouts.multiturn.stats import EnvStats
+from services.sampler.rollouts.multiturn.workers import Workers
+from services.sampler.rollouts.seeds import derive_seed
 
 log = logging.getLogger("tandem.sampler.multiturn")
 
 
 class Rollouts(Protocol):
-    """What a trajectory needs from the rollouts that run it (services/sampler/rollout.py's
+    """What a trajectory needs from the rollouts that run it (services/sampler/rollouts/rollout.py's
     `Rollouts` is one): the environment and its bounds, the model's limits, and a way to
     generate. Declared here, so that trajectories need not import the rollout that uses them."""
 

@@ -34,19 +34,19 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.sampler.envs.base import Completion, Environment, Example, Split
-from services.sampler.vf.loader import PREFIX, env_config, import_verifiers, split_blocks, split_limits
-from services.sampler.vf.sessions import Session, Sessions
-from services.sampler.vf.traces import Scored, completion_of, trainable_trace
+from services.sampler.rollouts.envs.base import Completion, Environment, Example, Split
+from services.sampler.rollouts.vf.loader import PREFIX, env_config, import_verifiers, split_blocks, split_limits
+from services.sampler.rollouts.vf.sessions import Session, Sessions
+from services.sampler.rollouts.vf.traces import Scored, completion_of, trainable_trace
 from shared.token_guard import bearer_headers
 
 if TYPE_CHECKING:
-    from services.sampler.rollout import Rollouts
-    from services.sampler.vf.local_client import Endpoint
+    from services.sampler.rollouts.rollout import Rollouts
+    from services.sampler.rollouts.vf.local_client import Endpoint
 
 log = logging.getLogger("tandem.sampler.verifiers")
 
-RENDERER = "services.sampler.vf.renderer.TandemRenderer"
+RENDERER = "services.sampler.rollouts.vf.renderer.TandemRenderer"
 # Sampling parameters the trainer computes its probabilities with: the sampler's win over a
 # role's own (max_tokens stays the role's to set, as a turn budget).
 CONTRACT = ("temperature", "top_p", "top_k", "min_p")
@@ -101,7 +101,7 @@ class VerifiersEnvironment(Environment):
     def __init__(self, taskset_id: str, **env_args: Any):
         self.vf = import_verifiers()
         # Imported here, as verifiers is (app.py imports this module for VerifiersLink).
-        from services.sampler.vf import local_client, pydantic_defaults
+        from services.sampler.rollouts.vf import local_client, pydantic_defaults
 
         self._local = local_client
         local_client.install()  # verifiers' interception server builds in-process clients
@@ -263,7 +263,7 @@ class VerifiersEnvironment(Environment):
             raise
 
     async def aclose(self) -> None:
-        from services.sampler.vf.harness import TandemChatHarness
+        from services.sampler.rollouts.vf.harness import TandemChatHarness
 
         await TandemChatHarness.close_clients()
         for task, stop, _ in self._servers.values():

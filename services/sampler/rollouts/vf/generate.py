@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from services.sampler.completions import parse_generate
-from services.sampler.inference_pool import InferenceRequestError, InferenceUnavailable
-from services.sampler.seeds import derive_seed
-from services.sampler.vf.sessions import Call, Sessions
+from services.sampler.rollouts.completions import parse_generate
+from services.sampler.fleet.inference_pool import InferenceRequestError, InferenceUnavailable
+from services.sampler.rollouts.seeds import derive_seed
+from services.sampler.rollouts.vf.sessions import Call, Sessions
 
 if TYPE_CHECKING:
-    from services.sampler.rollout import Rollouts
+    from services.sampler.rollouts.rollout import Rollouts
 
 ROUTE = "/inference/v1/generate"
 # The header naming a call's trajectory (vf/sessions.py), as verifiers' client sends it.

@@ -35,11 +35,11 @@ import openai
 from verifiers.v1.clients.train import ElasticRendererPool, TrainClient
 from verifiers.v1.configs.client import TrainClientConfig
 
-from services.sampler.vf.generate import ROUTE, SESSION_HEADER, generate_tokens
-from services.sampler.vf.sessions import Sessions
+from services.sampler.rollouts.vf.generate import ROUTE, SESSION_HEADER, generate_tokens
+from services.sampler.rollouts.vf.sessions import Sessions
 
 if TYPE_CHECKING:
-    from services.sampler.rollout import Rollouts
+    from services.sampler.rollouts.rollout import Rollouts
 
 
 

@@ -10,7 +10,7 @@ special token, odd spacing), the new prompt no longer extends the stored tokens 
 trace forks into branches. This renderer always bridges, so a conversation of our models is
 one branch, and the tokens trained on are the tokens sampled.
 
-It renders the way services/sampler/multiturn/render.py does for Tandem's own multi-turn
+It renders the way services/sampler/rollouts/multiturn/render.py does for Tandem's own multi-turn
 environments: new messages as the difference they make to a fixed two-message conversation,
 with the template's close of an assistant turn (ChatML: `<|im_end|>\\n`) put after the
 sampled ids where the model did not sample it itself. Rendering uses the model's tokenizer
@@ -31,7 +31,7 @@ from typing import Any
 from renderers.base import ParsedResponse, ParsedToolCall, RenderedTokens, ToolCallParseStatus
 from renderers.configs import BaseRendererConfig
 
-from services.sampler.multiturn.render import ASSISTANT, USER, closing_of, closing_overlap, delta_after
+from services.sampler.rollouts.multiturn.render import ASSISTANT, USER, closing_of, closing_overlap, delta_after
 from shared.toolcalls import parse_tool_calls
 
 

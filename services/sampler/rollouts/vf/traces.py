@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.sampler.envs.base import Completion
-from services.sampler.multiturn.conversation import EnvFault, finish_metrics
-from services.sampler.vf.sessions import Session
+from services.sampler.rollouts.envs.base import Completion
+from services.sampler.rollouts.multiturn.conversation import EnvFault, finish_metrics
+from services.sampler.rollouts.vf.sessions import Session
 
 Scored = tuple[float, dict[str, float]]
 
