@@ -166,9 +166,10 @@ class SamplerClient:
                 done, _ = await asyncio.wait({call}, timeout=wait)
                 if done:
                     return call.result()
-                log.warning("%s: no answer from the sampler at %s for %.0fs (frozen or overloaded?); still waiting "
-                            "for this request, then retrying for up to %gs (%s)", what, self.base_url,
-                            time.monotonic() - started, self.retry_for, self.retry_for_name)
+                log.warning("%s: no answer from the sampler at %s for %.0fs (a frozen or overloaded sampler, or a "
+                            "weight sync of a large model); still waiting for this request, then retrying for up "
+                            "to %gs (%s)", what, self.base_url, time.monotonic() - started, self.retry_for,
+                            self.retry_for_name)
                 wait = self.report_every
         finally:
             if not call.done():
