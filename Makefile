@@ -71,7 +71,7 @@ vllm-if-possible:
 # cores well (tests/conftest.py hands the real-vLLM tier to one worker, first).
 # TEST_WORKERS=0 runs everything in one process.
 # `make test` is the gate CI runs and stays within 15 minutes on 2 cores: it leaves out the
-# tests marked `slow` (multi-process drills, two-rank launches, whole demos beyond the first,
+# tests marked `slow` (multi-process drills, two-rank launches, whole demos beyond the first two,
 # the benchmark smoke runs, the LoRA vLLM server). `make test-slow` runs those alone,
 # `make test-all` everything (docs/testing.md). TEST_MARKERS="" also runs everything.
 # The three set-up steps are independent (two virtualenvs and apt), so they run side by side.
