@@ -30,12 +30,12 @@ STEPS_BY_ENV = {"toy": 150, "parity_dialogue": 250}
 # (bench/results/convergence_lora.md). An adapter trains the `tiny-lora` preset by default
 # (LORA_PRESET, docs/lora.md): on `tiny` its frozen tied head lets no token past ~3.5%, so the
 # sampled reward stayed near 0.03 whatever the adapter learnt. On `tiny-lora` the head is sharp
-# enough that 5e-3 moved the policy ~0.25-0.55 nats a step and the trainer stopped on
+# enough that 5e-3 moved the policy 0.26-0.46 nats a step and the trainer stopped on
 # max_behaviour_mismatch within 15 steps; 2e-3 does not.
 FULL_LEARNING_RATE = 1e-3
 LORA_LEARNING_RATE = 2e-3
-# Seeds that learn reach 0.9 sampled reward by step 100-150 (simulated and measured); 300 steps
-# leave margin and take ~1-2 minutes on 2 cores.
+# Seeds 0-4 first reach greedy eval 0.95 at versions 90-140 (bench/results/convergence_lora.md);
+# 300 steps leave margin and took 60-114 s on 2 shared cores.
 LORA_STEPS_BY_ENV = {"toy": 300}
 LORA_PRESET = "tiny-lora"
 DEFAULT_PRESET = "tiny"
@@ -44,13 +44,13 @@ DEFAULT_PRESET = "tiny"
 # seeds 0-2, docs/lora.md): 0.85-1.03 through attention adapters (attention averages over the
 # prompt text every number shares, so they learn "say e" everywhere), 0.04-0.14 through MLP ones
 # (they read the last digit at its own position). With every projection adapted the sampled
-# policy collapsed onto one letter on 5 of 5 seeds; the MLP alone learns parity.
+# policy collapsed onto one letter on 5 of 5 seeds; with the MLP alone on 1 of 5 (seed 0).
 LORA_TARGET_MODULES = ("gate_proj", "up_proj", "down_proj")
 # And a KL term to the starting model (the trainer's beta, k3). On an odd prompt whose 16
 # samples all say the wrong letter GRPO has no signal, so a letter that spread from even numbers
 # stays; the KL term still pushes every sampled token back towards the base, where the letters
 # are ~1% each. Seed 0 collapsed onto "e" (eval 0.53) at beta 0 with every other setting tried,
-# and reached eval 1.0 by step 110-120 at 0.04 and 0.1 (docs/lora.md).
+# and reached eval 1.0 by step 110-120 at 0.04 and 0.1 (docs/lora.md). The trl trainer keeps 0.
 LORA_BETA = 0.04
 
 # The native trainer's settings the demo derives from its own (Demo._trainer_argv); trainer_args
