@@ -75,6 +75,18 @@ class LossConfig:
     # The sampler's min_p / top_k / top_p: logprobs are scored over the same truncated set.
     truncation: Truncation | None = None
 
+    @classmethod
+    def from_settings(cls, s: Any, *, temperature: float, truncation: Truncation | None,
+                      max_tokens: int | None) -> LossConfig:
+        """The trainer's settings `s` (TrainerSettings) as a loss configuration; the completion
+        length defaults to the sampler's `max_tokens`."""
+        return cls(loss_type=s.loss, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, tis_cap=s.tis_cap,
+                   beta=s.beta, temperature=temperature, max_completion_length=s.max_completion_length or max_tokens,
+                   importance_sampling_level=s.importance_sampling_level, is_mode=s.is_mode, is_low=s.is_low,
+                   is_high=s.is_high, seq_reject_low=s.seq_reject_low, seq_reject_high=s.seq_reject_high,
+                   mask_truncated_completions=s.mask_truncated_completions,
+                   logprob_chunk_size=s.logprob_chunk_size, truncation=truncation)
+
     def __post_init__(self) -> None:
         self.correction  # noqa: B018 - validates the correction settings
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:

@@ -17,6 +17,7 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from services.trainer.config import TrainerSettings
 from shared.client import SamplerClient, Unauthorized
@@ -78,3 +79,17 @@ async def check_token(client: SamplerClient, settings: TrainerSettings) -> None:
                 f"{where} refused the API token: {_flag('api_token')} must be the sampler's api_token") from None
         raise SettingsError(
             f"{where} needs an API token: give the sampler's api_token with {_flag('api_token')}") from None
+
+
+def refuse_trimmed(served: Any, start_step: int, resumed_from: Path | None, sampler_url: str) -> None:
+    """SettingsError when the sampler (its `GET /weights_version` answer, `served`) has deleted
+    batches this run needs from `start_step` on."""
+    trimmed = (served.model_extra or {}).get("trimmed_below") or 0
+    if start_step < trimmed:
+        where = f"checkpoint {resumed_from}" if resumed_from else "no checkpoint in --run-dir"
+        raise SettingsError(
+            f"this run cannot continue from step {start_step} ({where}): the sampler at {sampler_url} is at "
+            f"version {served.version} and has deleted its batches below step {trimmed}. Point --run-dir at the "
+            f"run's own checkpoints (step {trimmed - 1} or later), or start afresh: the sampler with --fresh "
+            "(or a new namespace / run_dir) and this trainer with --no-resume")
+

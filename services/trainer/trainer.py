@@ -73,7 +73,7 @@ from typing import Any
 
 from services.trainer import checkpoint as ckpt
 from services.trainer import drill as drills
-from services.trainer import metrics_history
+from services.trainer import metrics_history, preflight
 from services.trainer.agreement import accept_sampler_config, resolve_temperature
 from services.trainer.checkpointing import Checkpoints
 from services.trainer.config import TrainerSettings
@@ -93,7 +93,6 @@ from services.trainer.step_record import (
 from services.trainer.world import World
 from shared import contract
 from shared.client import BatchNotReady, SamplerClient, VersionConflict
-from shared.settings import SettingsError
 from shared.tracking import Reporter
 from shared.wire import Batch
 
@@ -145,42 +144,69 @@ class Trainer:
     async def start(self) -> None:
         """Agree with the sampler, load the model (resumed when there is a checkpoint), re-announce
         a resumed checkpoint, and start the "before" eval."""
-        import torch
-
-        from services.trainer import preflight
-        from services.trainer.learner import Learner, LossConfig
-        from services.trainer.sharding import make_sharding
-
         s = self.settings
         wall_start = time.monotonic()
+        await self._agree()
+        loaded, temperature, truncation = self._set_up_model()
+        start_step, resumed_from = await self._open_run(loaded, temperature, truncation)
+        world = self.world
+        self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
+                              checkpoint_step=start_step - 1 if resumed_from is not None else None)
+        self.checkpoints = Checkpoints(s, world, sharding=self.sharding, model=self.model, optimizer=self.optimizer,
+                                       lora=self.lora, drill=self.drill, state=self.state,
+                                       public_settings=self.public_settings, in_thread=self._in_thread)
+        self.publisher = self._publisher(loaded)
+        self.publisher.warm()
+        if resumed_from is not None:
+            # The previous run may have died between saving and publishing: publish the
+            # resumed version again, whole (every rank: the snapshot is a collective under fsdp).
+            tensors = await self._in_thread(self.publisher.snapshot, self.sharding, self.model, self.publish_dtype,
+                                            trainable_only=self.lora is not None)
+            if world.is_main:
+                self.publisher.start(Job(start_step, start_step - 1, tensors, None))
+                await self.publisher.wait()
+            self.state.published_any = True
+        await self._in_thread(world.barrier)
+
+        if world.is_main and s.eval_at_start:
+            self.state.before_eval = self.evals.start(start_step, start_step, "before")
+        self.progress = ProgressBar(s.max_steps, start_step, enabled=world.is_main and s.progress)
+        self.guard = MismatchGuard(s.max_behaviour_mismatch, s.behaviour_mismatch_patience,
+                                   on_warning=self.metrics.write, announce=world.is_main)
+
+    async def _agree(self) -> None:
+        """The sampler's token, configuration and the model path checked, and rank 0's reporter
+        started, all before the model loads: a wrong one costs seconds, not a model load."""
+        s = self.settings
         self.world = world = World(s)
         self.client = self._client or preflight.sampler_client(s)  # speaks while it waits, for retry_for
-
-        # Before the model loads, so a wrong token costs a second; and before GET /status, which
-        # the token guards too.
+        # Before GET /status, which the token guards too.
         await preflight.check_token(self.client, s)
         self.config = accept_sampler_config(await self.client.status(), s, world.world_size)
         preflight.check_model(s.model)
         # What the metrics' start record, checkpoints and the tracking run's config show of the settings.
         self.public_settings = s.model_dump(mode="json", exclude={"api_token"})
         if world.is_main and s.report_to:
-            # Before the model loads: a backend that cannot start (not logged in to W&B) costs seconds.
+            # A backend that cannot start (not logged in to W&B) costs seconds.
             self.reporter = await asyncio.to_thread(
                 Reporter.start, s, "trainer",
                 {**self.public_settings, "sampler": self.config.model_dump(mode="json"),
                  "world_size": world.world_size},
                 resume=s.resume)  # a resumed run continues its W&B run, as it does trainer_metrics.jsonl
+
+    def _set_up_model(self) -> tuple[Any, float, Any]:
+        """The model, optimizer and learner (resumed from a checkpoint when there is one); with
+        the temperature and truncation the loss uses."""
+        import torch
+
+        from services.trainer.learner import Learner, LossConfig
+        from services.trainer.sharding import make_sharding
+
+        s, world = self.settings, self.world
         temperature = resolve_temperature(s, self.config)
         truncation = self.config.truncation()
-        max_len = s.max_completion_length or self.config.max_tokens
-        loss_cfg = LossConfig(loss_type=s.loss, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high,
-                              tis_cap=s.tis_cap, beta=s.beta, temperature=temperature,
-                              max_completion_length=max_len,
-                              importance_sampling_level=s.importance_sampling_level,
-                              is_mode=s.is_mode, is_low=s.is_low, is_high=s.is_high,
-                              seq_reject_low=s.seq_reject_low, seq_reject_high=s.seq_reject_high,
-                              mask_truncated_completions=s.mask_truncated_completions,
-                              logprob_chunk_size=s.logprob_chunk_size, truncation=truncation)
+        loss_cfg = LossConfig.from_settings(s, temperature=temperature, truncation=truncation,
+                                            max_tokens=self.config.max_tokens)
 
         torch.manual_seed(s.seed)
         self.sharding = make_sharding(s.sharding, distributed=world.distributed, rank=world.rank,
@@ -195,20 +221,19 @@ class Trainer:
                                max_grad_norm=s.max_grad_norm, sharding=self.sharding,
                                # LoRA dropout, like checkpointing, only acts in train mode.
                                train_mode=s.gradient_checkpointing or s.lora_dropout > 0)
+        return loaded, temperature, truncation
 
+    async def _open_run(self, loaded: Any, temperature: float, truncation: Any) -> tuple[int, Path | None]:
+        """Where this run starts (step, checkpoint): refused when the sampler no longer holds the
+        batches it needs; which steps it trains a second time; the metrics and evals opened,
+        with the run's start record."""
+        s, world = self.settings, self.world
         start_step, resumed_from = loaded.start_step, loaded.resumed_from
         # Which steps this run trains a second time: those a dead predecessor trained after its
         # checkpoint (the sampler's version says how far it got; its metrics lines too).
         served = await self.client.weights_version()
         self.served_path = served.checkpoint_path
-        trimmed = (served.model_extra or {}).get("trimmed_below") or 0
-        if start_step < trimmed:
-            where = f"checkpoint {resumed_from}" if resumed_from else "no checkpoint in --run-dir"
-            raise SettingsError(
-                f"this run cannot continue from step {start_step} ({where}): the sampler at {s.sampler_url} is at "
-                f"version {served.version} and has deleted its batches below step {trimmed}. Point --run-dir at the "
-                f"run's own checkpoints (step {trimmed - 1} or later), or start afresh: the sampler with --fresh "
-                "(or a new namespace / run_dir) and this trainer with --no-resume")
+        preflight.refuse_trimmed(served, start_step, resumed_from, s.sampler_url)
         retrained = set(range(start_step, served.version))
         if world.is_main:
             history = metrics_history.prepare(
@@ -234,29 +259,7 @@ class Trainer:
                      start_step, s.max_steps - 1, world.world_size, world.device, s.loss, temperature,
                      truncation.describe(),
                      f", resumed from {resumed_from}" if resumed_from else "")
-        self.state = RunState(start_step=start_step, wall_start=wall_start, last_checkpoint=resumed_from,
-                              checkpoint_step=start_step - 1 if resumed_from is not None else None)
-        self.checkpoints = Checkpoints(s, world, sharding=self.sharding, model=self.model, optimizer=self.optimizer,
-                                       lora=self.lora, drill=self.drill, state=self.state,
-                                       public_settings=self.public_settings, in_thread=self._in_thread)
-        self.publisher = self._publisher(loaded)
-        self.publisher.warm()
-        if resumed_from is not None:
-            # The previous run may have died between saving and publishing: publish the
-            # resumed version again, whole (every rank: the snapshot is a collective under fsdp).
-            tensors = await self._in_thread(self.publisher.snapshot, self.sharding, self.model, self.publish_dtype,
-                                            trainable_only=self.lora is not None)
-            if world.is_main:
-                self.publisher.start(Job(start_step, start_step - 1, tensors, None))
-                await self.publisher.wait()
-            self.state.published_any = True
-        await self._in_thread(world.barrier)
-
-        if world.is_main and s.eval_at_start:
-            self.state.before_eval = self.evals.start(start_step, start_step, "before")
-        self.progress = ProgressBar(s.max_steps, start_step, enabled=world.is_main and s.progress)
-        self.guard = MismatchGuard(s.max_behaviour_mismatch, s.behaviour_mismatch_patience,
-                                   on_warning=self.metrics.write, announce=world.is_main)
+        return start_step, resumed_from
 
     # -- one step -------------------------------------------------------------------------
 
