@@ -81,61 +81,8 @@ class _StateCollector(Collector):
                                   value=pool.stats.errors)
         yield CounterMetricFamily("tandem_sampler_inference_retries", "inference attempts retried",
                                   value=pool.stats.retries)
-        requests = CounterMetricFamily("tandem_sampler_inference_requests", "inference requests sent, per server",
-                                       labels=["server"])
-        failures = CounterMetricFamily("tandem_sampler_inference_failures", "failed inference requests, per server",
-                                       labels=["server"])
-        version = GaugeMetricFamily("tandem_sampler_server_version", "weights version a server serves (-1: unknown)",
-                                    labels=["server"])
-        healthy = GaugeMetricFamily("tandem_sampler_server_healthy",
-                                    "1 when the server is in rotation and its last request succeeded", labels=["server"])
-        states = GaugeMetricFamily("tandem_sampler_server_state",
-                                   "1 for the state each inference server is in (ok: in rotation; see /status for why not)",
-                                   labels=["server", "state"])
-        resyncs = CounterMetricFamily("tandem_sampler_server_resyncs",
-                                      "re-syncs of an inference server that restarted or fell behind", labels=["server"])
-        probe_diff = GaugeMetricFamily("tandem_sampler_probe_max_abs_diff",
-                                       "largest |server - trainer| prompt logprob in the server's last probe (nats)",
-                                       labels=["server"])
-        probe_failures = CounterMetricFamily("tandem_sampler_probe_failures",
-                                             "syncs whose probe showed the server does not compute the trainer's "
-                                             "logprobs", labels=["server"])
-        foreign_pauses = CounterMetricFamily("tandem_sampler_server_foreign_pauses",
-                                             "times a server was found paused with no weight sync holding it "
-                                             "(someone else paused it) and resumed", labels=["server"])
-        outstanding = GaugeMetricFamily("tandem_sampler_server_outstanding", "requests outstanding per server",
-                                        labels=["server"])
-        for server in pool.servers:
-            requests.add_metric([server.url], server.requests)
-            failures.add_metric([server.url], server.failures)
-            version.add_metric([server.url], -1 if server.version is None else server.version)
-            healthy.add_metric([server.url], 1 if server.state == OK and server.consecutive_failures == 0 else 0)
-            outstanding.add_metric([server.url], server.outstanding)
-            for name in STATES:
-                states.add_metric([server.url, name], 1 if server.state == name else 0)
-            resyncs.add_metric([server.url], server.resyncs)
-            probe_failures.add_metric([server.url], server.probe_failures)
-            foreign_pauses.add_metric([server.url], server.foreign_pauses)
-            if server.last_probe is not None and server.last_probe.max_abs_diff is not None:
-                probe_diff.add_metric([server.url], server.last_probe.max_abs_diff)
-        yield from (requests, failures, version, healthy, outstanding, states, resyncs, probe_diff, probe_failures,
-                    foreign_pauses)
-        nonfinite = rollouts.nonfinite
-        rewards = CounterMetricFamily("tandem_sampler_nonfinite_rewards",
-                                      "completions whose reward or a reward part was NaN or infinite (train: their "
-                                      "group was dropped; eval: left out of the means)", labels=["env", "split"])
-        for (env, split), count in sorted(nonfinite.rewards.items()):
-            rewards.add_metric([env, split], count)
-        groups = CounterMetricFamily("tandem_sampler_nonfinite_groups_dropped",
-                                     "training groups dropped (and refilled) for a non-finite reward", labels=["env"])
-        for env, count in sorted(nonfinite.groups.items()):
-            groups.add_metric([env], count)
-        logprobs = CounterMetricFamily("tandem_sampler_nonfinite_logprobs",
-                                       "completion tokens whose logprob the server sent as null or non-finite "
-                                       "(masked out of the loss)", labels=["server"])
-        for url, count in sorted(nonfinite.logprobs.items()):
-            logprobs.add_metric([url], count)
-        yield from (rewards, groups, logprobs)
+        yield from _server_families(pool)
+        yield from _nonfinite_families(rollouts.nonfinite)
         yield from env_metrics(rollouts.env_stats)
         yield CounterMetricFamily("tandem_sampler_inference_answers_dropped",
                                   "answers dropped because their server had lost its weights (restarted)",
@@ -280,3 +227,65 @@ def env_metrics(stats: EnvStats) -> list[CounterMetricFamily]:
             family.add_metric([env], getattr(counts, name))
         families.append(family)
     return families
+
+
+def _server_families(pool: InferencePool) -> Iterable[Any]:
+    """Per inference server: requests, failures, version, health, state, re-syncs, probes."""
+    requests = CounterMetricFamily("tandem_sampler_inference_requests", "inference requests sent, per server",
+                                   labels=["server"])
+    failures = CounterMetricFamily("tandem_sampler_inference_failures", "failed inference requests, per server",
+                                   labels=["server"])
+    version = GaugeMetricFamily("tandem_sampler_server_version", "weights version a server serves (-1: unknown)",
+                                labels=["server"])
+    healthy = GaugeMetricFamily("tandem_sampler_server_healthy",
+                                "1 when the server is in rotation and its last request succeeded", labels=["server"])
+    states = GaugeMetricFamily("tandem_sampler_server_state",
+                               "1 for the state each inference server is in (ok: in rotation; see /status for why not)",
+                               labels=["server", "state"])
+    resyncs = CounterMetricFamily("tandem_sampler_server_resyncs",
+                                  "re-syncs of an inference server that restarted or fell behind", labels=["server"])
+    probe_diff = GaugeMetricFamily("tandem_sampler_probe_max_abs_diff",
+                                   "largest |server - trainer| prompt logprob in the server's last probe (nats)",
+                                   labels=["server"])
+    probe_failures = CounterMetricFamily("tandem_sampler_probe_failures",
+                                         "syncs whose probe showed the server does not compute the trainer's "
+                                         "logprobs", labels=["server"])
+    foreign_pauses = CounterMetricFamily("tandem_sampler_server_foreign_pauses",
+                                         "times a server was found paused with no weight sync holding it "
+                                         "(someone else paused it) and resumed", labels=["server"])
+    outstanding = GaugeMetricFamily("tandem_sampler_server_outstanding", "requests outstanding per server",
+                                    labels=["server"])
+    for server in pool.servers:
+        requests.add_metric([server.url], server.requests)
+        failures.add_metric([server.url], server.failures)
+        version.add_metric([server.url], -1 if server.version is None else server.version)
+        healthy.add_metric([server.url], 1 if server.state == OK and server.consecutive_failures == 0 else 0)
+        outstanding.add_metric([server.url], server.outstanding)
+        for name in STATES:
+            states.add_metric([server.url, name], 1 if server.state == name else 0)
+        resyncs.add_metric([server.url], server.resyncs)
+        probe_failures.add_metric([server.url], server.probe_failures)
+        foreign_pauses.add_metric([server.url], server.foreign_pauses)
+        if server.last_probe is not None and server.last_probe.max_abs_diff is not None:
+            probe_diff.add_metric([server.url], server.last_probe.max_abs_diff)
+    yield from (requests, failures, version, healthy, outstanding, states, resyncs, probe_diff, probe_failures,
+                foreign_pauses)
+
+
+def _nonfinite_families(nonfinite: Any) -> Iterable[Any]:
+    """What was kept out for being NaN or infinite: rewards, groups, logprobs."""
+    rewards = CounterMetricFamily("tandem_sampler_nonfinite_rewards",
+                                  "completions whose reward or a reward part was NaN or infinite (train: their "
+                                  "group was dropped; eval: left out of the means)", labels=["env", "split"])
+    for (env, split), count in sorted(nonfinite.rewards.items()):
+        rewards.add_metric([env, split], count)
+    groups = CounterMetricFamily("tandem_sampler_nonfinite_groups_dropped",
+                                 "training groups dropped (and refilled) for a non-finite reward", labels=["env"])
+    for env, count in sorted(nonfinite.groups.items()):
+        groups.add_metric([env], count)
+    logprobs = CounterMetricFamily("tandem_sampler_nonfinite_logprobs",
+                                   "completion tokens whose logprob the server sent as null or non-finite "
+                                   "(masked out of the loss)", labels=["server"])
+    for url, count in sorted(nonfinite.logprobs.items()):
+        logprobs.add_metric([url], count)
+    yield from (rewards, groups, logprobs)
