@@ -116,18 +116,132 @@ async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
     return body if isinstance(body, dict) else _error(400, "the body must be a JSON object")
 
 
-def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token: str | None = None) -> FastAPI:
-    """`api_token`: guard every route but /health with it, as the real servers do (the
-    `/_standin/*` hooks too)."""
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield {"standin": StandInState(token_latency=token_latency, version=version)}
+def st(request: Request) -> StandInState:
+    return request.state.standin
 
-    app = FastAPI(title="Tandem inference stand-in", lifespan=lifespan)
 
-    def st(request: Request) -> StandInState:
-        return request.state.standin
+async def _complete(s: StandInState, body: dict[str, Any], request: Request) -> dict[str, Any] | JSONResponse:
+    """A /v1/completions body's answer, or the error response."""
+    s.requests += 1
+    if s.fail_next > 0:
+        s.fail_next -= 1
+        return _error(503, "stand-in told to fail")
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        prompt_ids = [int(t) for t in prompt]
+    else:
+        prompt_ids = list(str(prompt).encode())
+    n = int(body.get("n", 1))
+    max_tokens = body.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        return _error(400, f"max_tokens must be at least 1, got {max_tokens}")
+    if len(prompt_ids) + max_tokens > s.max_model_len:  # as vLLM refuses it
+        return _error(400, f"This model's maximum context length is {s.max_model_len} tokens. However, you "
+                           f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                           f"{max_tokens} for the completion).")
+    session = request.headers.get("x-session-id")
+    if session is not None:
+        s.sessions[session] = s.sessions.get(session, 0) + 1
+        if s.sessions[session] == s.hold_request:
+            s.held += 1
+            try:
+                await s.released.wait()
+            finally:
+                s.held -= 1
+    temperature = float(body.get("temperature", 1.0))
+    seed = body.get("seed")
+    rng = random.Random(seed if seed is not None else time.perf_counter_ns())
+    scripted = s.script(prompt_ids)
+    if s.token_latency == 0 and s.resumed.is_set() and s.running.is_set():
+        # Instantaneous inference (throughput benchmarks): no per-token awaits at all.
+        choices = [_choice(i, prompt_ids, *(_sample_now(max_tokens, temperature, random.Random(rng.random()))
+                                            if scripted is None else _script_now(scripted, max_tokens)),
+                           [], s.version, body) for i in range(n)]
+    else:
+        choices = await asyncio.gather(*(
+            _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body, scripted)
+            for i in range(n)
+        ))
+    if body.get("prompt_logprobs") is not None:
+        rows = standin_prompt_logprobs(s.weights, prompt_ids)
+        for choice in choices:
+            choice["prompt_logprobs"] = [None] + [
+                {str(t): {"logprob": lp, "rank": 1, "decoded_token": chr(t % 256)}}
+                for t, lp in zip(prompt_ids[1:], rows[1:])
+            ]
+    generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
+    return {
+        "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
+        "model": s.model_id, "choices": list(choices),
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
+                  "total_tokens": len(prompt_ids) + generated},
+    }
 
+def _sample_now(max_tokens: int, temperature: float, rng: random.Random) -> tuple[list[int], str]:
+    """The token loop of `_generate` without pauses or latency: same distribution."""
+    token_ids: list[int] = []
+    for _ in range(max_tokens):
+        if temperature > 0 and rng.random() < 0.1:
+            return token_ids, "stop"
+        token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
+    return token_ids, "length"
+
+def _script_now(scripted: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """`_generate`'s scripted answer without pauses or latency: same tokens, same end."""
+    return scripted[:max_tokens], "stop" if len(scripted) < max_tokens else "length"
+
+def _choice(index: int, prompt_ids: list[int], token_ids: list[int], finish: str, labels: list[str],
+            version: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One choice in vLLM's shape; `labels` per token, or all `version` when empty."""
+    labels = labels or [version] * len(token_ids)
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": bytes(token_ids).decode(errors="replace"),
+        "finish_reason": finish,
+        "logprobs": {"token_logprobs": [-math.log(len(ALPHABET))] * len(token_ids),
+                     "tokens": [chr(t) for t in token_ids], "top_logprobs": None, "text_offset": []},
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = token_ids
+        choice["prompt_token_ids"] = prompt_ids
+    if body.get("return_weight_versions"):
+        spans: list[dict[str, Any]] = []
+        for i, label in enumerate(labels):
+            if spans and spans[-1]["version"] == label:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": label, "start": i, "end": i + 1})
+        choice["weight_versions"] = spans
+    return choice
+
+async def _generate(s: StandInState, index: int, prompt_ids: list[int], max_tokens: int,
+                    temperature: float, rng: random.Random, body: dict[str, Any],
+                    scripted: list[int] | None) -> dict[str, Any]:
+    token_ids: list[int] = []
+    labels: list[str] = []
+    finish = "length"
+    for _ in range(max_tokens):
+        await s.resumed.wait()  # a paused (keep) server freezes requests between tokens
+        await s.running.wait()
+        if s.token_latency:
+            await asyncio.sleep(s.token_latency)
+        if scripted is not None:
+            if len(token_ids) == len(scripted):
+                finish = "stop"
+                break
+            token_ids.append(scripted[len(token_ids)])
+            labels.append(s.version)
+            continue
+        if temperature > 0 and rng.random() < 0.1:
+            finish = "stop"
+            break
+        token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
+        labels.append(s.version)
+    return _choice(index, prompt_ids, token_ids, finish, labels, s.version, body)
+
+
+def _openai_routes(app: FastAPI) -> None:
+    """What the stand-in answers as vLLM does: health, models, completions, generate, tokenize."""
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {}
@@ -160,125 +274,6 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token
             return result
         return Response(orjson.dumps(standin_generate.generate_response(result, body)), media_type="application/json")
 
-    async def _complete(s: StandInState, body: dict[str, Any], request: Request) -> dict[str, Any] | JSONResponse:
-        """A /v1/completions body's answer, or the error response."""
-        s.requests += 1
-        if s.fail_next > 0:
-            s.fail_next -= 1
-            return _error(503, "stand-in told to fail")
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list):
-            prompt_ids = [int(t) for t in prompt]
-        else:
-            prompt_ids = list(str(prompt).encode())
-        n = int(body.get("n", 1))
-        max_tokens = body.get("max_tokens", 16)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            return _error(400, f"max_tokens must be at least 1, got {max_tokens}")
-        if len(prompt_ids) + max_tokens > s.max_model_len:  # as vLLM refuses it
-            return _error(400, f"This model's maximum context length is {s.max_model_len} tokens. However, you "
-                               f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                               f"{max_tokens} for the completion).")
-        session = request.headers.get("x-session-id")
-        if session is not None:
-            s.sessions[session] = s.sessions.get(session, 0) + 1
-            if s.sessions[session] == s.hold_request:
-                s.held += 1
-                try:
-                    await s.released.wait()
-                finally:
-                    s.held -= 1
-        temperature = float(body.get("temperature", 1.0))
-        seed = body.get("seed")
-        rng = random.Random(seed if seed is not None else time.perf_counter_ns())
-        scripted = s.script(prompt_ids)
-        if s.token_latency == 0 and s.resumed.is_set() and s.running.is_set():
-            # Instantaneous inference (throughput benchmarks): no per-token awaits at all.
-            choices = [_choice(i, prompt_ids, *(_sample_now(max_tokens, temperature, random.Random(rng.random()))
-                                                if scripted is None else _script_now(scripted, max_tokens)),
-                               [], s.version, body) for i in range(n)]
-        else:
-            choices = await asyncio.gather(*(
-                _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body, scripted)
-                for i in range(n)
-            ))
-        if body.get("prompt_logprobs") is not None:
-            rows = standin_prompt_logprobs(s.weights, prompt_ids)
-            for choice in choices:
-                choice["prompt_logprobs"] = [None] + [
-                    {str(t): {"logprob": lp, "rank": 1, "decoded_token": chr(t % 256)}}
-                    for t, lp in zip(prompt_ids[1:], rows[1:])
-                ]
-        generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
-        return {
-            "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
-            "model": s.model_id, "choices": list(choices),
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
-                      "total_tokens": len(prompt_ids) + generated},
-        }
-
-    def _sample_now(max_tokens: int, temperature: float, rng: random.Random) -> tuple[list[int], str]:
-        """The token loop of `_generate` without pauses or latency: same distribution."""
-        token_ids: list[int] = []
-        for _ in range(max_tokens):
-            if temperature > 0 and rng.random() < 0.1:
-                return token_ids, "stop"
-            token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
-        return token_ids, "length"
-
-    def _script_now(scripted: list[int], max_tokens: int) -> tuple[list[int], str]:
-        """`_generate`'s scripted answer without pauses or latency: same tokens, same end."""
-        return scripted[:max_tokens], "stop" if len(scripted) < max_tokens else "length"
-
-    def _choice(index: int, prompt_ids: list[int], token_ids: list[int], finish: str, labels: list[str],
-                version: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One choice in vLLM's shape; `labels` per token, or all `version` when empty."""
-        labels = labels or [version] * len(token_ids)
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": bytes(token_ids).decode(errors="replace"),
-            "finish_reason": finish,
-            "logprobs": {"token_logprobs": [-math.log(len(ALPHABET))] * len(token_ids),
-                         "tokens": [chr(t) for t in token_ids], "top_logprobs": None, "text_offset": []},
-        }
-        if body.get("return_token_ids"):
-            choice["token_ids"] = token_ids
-            choice["prompt_token_ids"] = prompt_ids
-        if body.get("return_weight_versions"):
-            spans: list[dict[str, Any]] = []
-            for i, label in enumerate(labels):
-                if spans and spans[-1]["version"] == label:
-                    spans[-1]["end"] = i + 1
-                else:
-                    spans.append({"version": label, "start": i, "end": i + 1})
-            choice["weight_versions"] = spans
-        return choice
-
-    async def _generate(s: StandInState, index: int, prompt_ids: list[int], max_tokens: int,
-                        temperature: float, rng: random.Random, body: dict[str, Any],
-                        scripted: list[int] | None) -> dict[str, Any]:
-        token_ids: list[int] = []
-        labels: list[str] = []
-        finish = "length"
-        for _ in range(max_tokens):
-            await s.resumed.wait()  # a paused (keep) server freezes requests between tokens
-            await s.running.wait()
-            if s.token_latency:
-                await asyncio.sleep(s.token_latency)
-            if scripted is not None:
-                if len(token_ids) == len(scripted):
-                    finish = "stop"
-                    break
-                token_ids.append(scripted[len(token_ids)])
-                labels.append(s.version)
-                continue
-            if temperature > 0 and rng.random() < 0.1:
-                finish = "stop"
-                break
-            token_ids.append(ord(rng.choice(ALPHABET)) if temperature > 0 else ord(ALPHABET[len(token_ids) % 10]))
-            labels.append(s.version)
-        return _choice(index, prompt_ids, token_ids, finish, labels, s.version, body)
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's POST /tokenize: {"prompt": text} or {"messages": [...], "add_generation_prompt"
@@ -304,6 +299,9 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token
         strs = [bytes([t]).decode(errors="replace") for t in ids] if body.get("return_token_strs") else None
         return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids, "token_strs": strs}
 
+
+def _control_routes(app: FastAPI) -> None:
+    """vLLM's dev-mode control routes a weight sync uses: pause, resume, reload, label, cache reset."""
     @app.post("/pause")
     async def pause(request: Request, mode: str = "keep") -> dict[str, Any]:
         s = st(request)
@@ -353,6 +351,9 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token
     async def reset_prefix_cache() -> dict[str, Any]:
         return {}
 
+
+def _hook_routes(app: FastAPI) -> None:
+    """The tests' hooks: failures, configuration (delays, replies, holds) and counters."""
     @app.post("/_standin/fail")
     async def fail(request: Request, count: int = 1) -> dict[str, int]:
         st(request).fail_next = count
@@ -402,6 +403,18 @@ def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token
                 "sessions": s.sessions, "held": s.held, "tokenize_requests": s.tokenize_requests,
                 "weights": s.weights}
 
+
+def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token: str | None = None) -> FastAPI:
+    """`api_token`: guard every route but /health with it, as the real servers do (the
+    `/_standin/*` hooks too)."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield {"standin": StandInState(token_latency=token_latency, version=version)}
+
+    app = FastAPI(title="Tandem inference stand-in", lifespan=lifespan)
+    _openai_routes(app)
+    _control_routes(app)
+    _hook_routes(app)
     app.add_middleware(TokenGuard, token=api_token, shape="openai", service="the stand-in")
     return app
 
