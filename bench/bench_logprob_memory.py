@@ -89,7 +89,7 @@ def _reset_peak() -> bool:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one variant's forward + backward in `spec["window"]` and return its peak memory
     (in this process)."""
-    from services.trainer.loss import token_logprobs
+    from services.trainer.logprobs import token_logprobs
     from shared.contract import Truncation
 
     window, variant, dtype = spec["window"], spec["variant"], getattr(torch, spec["dtype"])
@@ -231,7 +231,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"({s['positions']} scored positions; a float32 copy of their logits is {s['float32_copy_mib']:.0f} MiB). "
         f"Before: the previous implementation (rows one at a time in float32, autograd keeping each row's float32 "
         f"copy until the backward), kept in the benchmark as `previous_token_logprobs`. After: "
-        f"`services.trainer.loss.token_logprobs` (one float32 buffer of chunk_size x vocabulary).",
+        f"`services.trainer.logprobs.token_logprobs` (one float32 buffer of chunk_size x vocabulary).",
         "",
         "Windows: `logprob` = the forward and backward of the logprob computation alone (the logits exist before "
         "it; the gradient it returns, B x T x V in the logits' dtype, is inside it). `lm_head` = the LM head's "

@@ -39,12 +39,12 @@ import torch
 
 from services.trainer.collate import MicroBatch, split_micro_batches
 from services.trainer.corrections import Correction
+from services.trainer.logprobs import truncated_token_logprobs
 from services.trainer.loss import (
     IMPORTANCE_SAMPLING_LEVELS,
     PER_SEQUENCE,
     loss_normalizer,
     policy_loss,
-    truncated_token_logprobs,
 )
 from services.trainer.sharding import Sharding, make_sharding
 from shared import contract
@@ -120,7 +120,7 @@ def forward_logprobs(model: Any, mb: MicroBatch, temperature: float, chunk_size:
 def forward_logprobs_outside(model: Any, mb: MicroBatch, temperature: float, chunk_size: int = 1024,
                              truncation: Truncation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`forward_logprobs` and whether each target lies outside the truncated set
-    (loss.truncated_token_logprobs)."""
+    (logprobs.truncated_token_logprobs)."""
     T = mb.targets.shape[1]
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "use_cache": False}
     if _accepts(model, "logits_to_keep"):

@@ -9,7 +9,7 @@ Notation, per completion token t of sequence i (only tokens with loss mask m_it 
               are clipped against it as in PPO.
 * `behaviour` log mu: what the inference server sampled with (`completion_logprobs`,
               after temperature and truncation; `logp` and `old` are scored over the
-              same truncated set, `token_logprobs`). mu differs from pi_old for two reasons: the sample may
+              same truncated set, `logprobs.token_logprobs`). mu differs from pi_old for two reasons: the sample may
               be up to `max_staleness` versions old, and inference kernels (bf16, other
               numerics) never reproduce the trainer's logprobs exactly.
 * `A_i`       the sequence's advantage, computed by the sampler.
@@ -94,154 +94,12 @@ transformers' Trainer normalises by the number of items in the whole batch).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from services.trainer.corrections import Correction
-from shared.contract import LOSS_NAMES, Truncation
-from shared.truncation import thresholds
-
-
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 1024,
-    truncation: Truncation | None = None,
-) -> torch.Tensor:
-    """log softmax(logits / temperature)[targets], with memory bounded by `chunk_size`.
-
-    logits [B, T, V] (any dtype and strides, e.g. the slice `logits[:, :-1]`), targets
-    [B, T] -> [B, T] in float32 (float64 for float64 logits). Dividing by the sampler's
-    temperature makes these comparable to its "processed" logprobs (docs/inference-api.md).
-
-    The B * T positions are processed `chunk_size` at a time in float32. Autograd keeps only
-    the logits themselves, in their own dtype, and one float32 logsumexp per position; the
-    backward recomputes each chunk's softmax. The float32 working memory is therefore one
-    chunk_size x V buffer however long the batch, where plain autograd through
-    `log_softmax(logits.float())` would keep a float32 copy of all the logits.
-
-    With an active `truncation` (the sampler's min_p / top_k / top_p) the softmax is over the
-    tokens the sampler could have drawn at each position (shared/truncation.py), as vLLM's
-    processed logprobs are. See `truncated_token_logprobs` for a target outside that set.
-    """
-    return truncated_token_logprobs(logits, targets, temperature, chunk_size=chunk_size, truncation=truncation)[0]
-
-
-def truncated_token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 1024,
-    truncation: Truncation | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` and a boolean [B, T]: whether each target lies outside the truncated
-    set under these logits (always False without truncation).
-
-    The sampler drew every target from its own truncated set; the trainer's set can differ
-    where its weights moved since (staleness) or a token sits on the boundary. Such a target has
-    probability 0 under the trainer's truncated policy and log 0 breaks the ratios, so it is
-    scored over the truncated set plus itself: a finite, small logprob whose importance weight
-    pi_old / pi_behaviour is small too, which is what an excluded token should get."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits [B, T, V] and targets [B, T], got {tuple(logits.shape)} "
-                         f"and {tuple(targets.shape)}")
-    if truncation is not None and not truncation.active:
-        truncation = None
-    return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), int(chunk_size), truncation)
-
-
-def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
-    for lo in range(0, n, size):
-        yield lo, min(lo + size, n)
-
-
-def _load_scaled(buffer: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, temperature: float) -> torch.Tensor:
-    """Copy flat positions [lo, hi) of `logits` [B, T, V] into `buffer` (converting the dtype
-    on the way) and divide by the temperature in place; returns the filled rows.
-
-    A flat view of `logits` is not available when it is a slice such as `logits[:, :-1]`
-    (reshaping would copy all of it), so a chunk is gathered from row segments, each of
-    which is a view."""
-    T = logits.shape[1]
-    at, pos = 0, lo
-    while pos < hi:
-        b, t = divmod(pos, T)
-        take = min(hi - pos, T - t)
-        buffer[at : at + take].copy_(logits[b, t : t + take])
-        at, pos = at + take, pos + take
-    x = buffer[: hi - lo]
-    if temperature != 1.0:
-        x.div_(temperature)
-    return x
-
-
-def _mask_keeping_targets(x: torch.Tensor, targets: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
-    """Mask `x` (scaled logits of a chunk) to its truncated set `x >= cut` ([rows, 1]), each
-    row's target kept in; returns whether each target was outside the set."""
-    picked = x.gather(1, targets)
-    x.masked_fill_(x < cut, float("-inf"))
-    x.scatter_(1, targets, picked)
-    return (picked < cut).squeeze(1)
-
-
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """See `token_logprobs`. d logp_j / d z_jv = (1[v = target_j] - softmax(z_j / tau)_v) / tau,
-    the softmax over the truncated set when there is one (masked logits get no gradient)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_size: int,
-                truncation: Truncation | None):
-        B, T, V = logits.shape
-        n = B * T
-        compute = torch.promote_types(logits.dtype, torch.float32)
-        flat_targets = targets.reshape(n, 1)
-        picked = torch.empty(n, dtype=compute, device=logits.device)
-        lse = torch.empty(n, dtype=compute, device=logits.device)
-        outside = torch.zeros(n, dtype=torch.bool, device=logits.device)
-        # Per position, the smallest logit the truncation keeps: the backward masks with it
-        # instead of finding the set again.
-        cuts = torch.full((n, 1), float("-inf"), dtype=compute, device=logits.device)
-        buffer = torch.empty(min(chunk_size, n), V, dtype=compute, device=logits.device)
-        for lo, hi in _chunks(n, chunk_size):
-            x = _load_scaled(buffer, logits, lo, hi, temperature)
-            if truncation is not None:
-                cuts[lo:hi] = thresholds(x, truncation.top_k, truncation.top_p, truncation.min_p)
-                outside[lo:hi] = _mask_keeping_targets(x, flat_targets[lo:hi], cuts[lo:hi])
-            picked[lo:hi] = x.gather(1, flat_targets[lo:hi]).squeeze(1)
-            # logsumexp in place: torch.logsumexp would allocate a second chunk-sized tensor.
-            # As there, an infinite row maximum is shifted by 0 instead (inf - inf is NaN).
-            row_max = x.amax(1, keepdim=True)
-            row_max = torch.where(row_max.isinf(), 0.0, row_max)
-            lse[lo:hi] = x.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
-        ctx.save_for_backward(logits, targets, lse, cuts if truncation is not None else None)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(outside)
-        return (picked - lse).view(B, T), outside.view(B, T)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor, _grad_outside: torch.Tensor | None):
-        logits, targets, lse, cuts = ctx.saved_tensors
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        B, T, V = logits.shape
-        n = B * T
-        flat_targets = targets.reshape(n, 1)
-        # grad_out / tau per position: the scale of both the one-hot and the softmax term.
-        scale = (grad_out.reshape(n).to(lse.dtype) / temperature).unsqueeze(1)
-        grad_logits = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
-        flat_grad = grad_logits.view(n, V)
-        buffer = torch.empty(min(chunk_size, n), V, dtype=lse.dtype, device=logits.device)
-        for lo, hi in _chunks(n, chunk_size):
-            x = _load_scaled(buffer, logits, lo, hi, temperature)
-            if cuts is not None:
-                # The forward's set (the same logits, the same cut): exp(-inf) = 0 outside it.
-                _mask_keeping_targets(x, flat_targets[lo:hi], cuts[lo:hi])
-            probs = x.sub_(lse[lo:hi].unsqueeze(1)).exp_()
-            g = probs.mul_(-scale[lo:hi]).scatter_add_(1, flat_targets[lo:hi], scale[lo:hi])
-            flat_grad[lo:hi].copy_(g)
-        return grad_logits, None, None, None, None
+from shared.contract import LOSS_NAMES
 
 
 def importance_weights(old: torch.Tensor, behaviour: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -313,6 +171,80 @@ class LossOutput:
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
+def _sanitised(logp: torch.Tensor, old: torch.Tensor, behaviour: torch.Tensor, loss_mask: torch.Tensor
+               ) -> tuple[torch.Tensor, ...]:
+    """(behaviour, old, log(pi_old / mu) per token, its mean per sequence, loss tokens per
+    sequence), with every masked position zeroed before any arithmetic: see "Masked
+    positions" in the module docstring (`where` passes a zero gradient, never a NaN). The
+    weights are detached: the corrections act on them, the gradient does not flow through."""
+    behaviour_m = torch.where(loss_mask, behaviour.to(logp.dtype), 0.0)
+    old_m = torch.where(loss_mask, old.detach().to(logp.dtype), 0.0)
+    log_w_token = (old_m - behaviour_m).detach().to(torch.promote_types(logp.dtype, torch.float32))
+    n_all = loss_mask.sum(-1, keepdim=True)
+    log_w_seq = log_w_token.sum(-1, keepdim=True) / n_all.clamp(min=1)
+    return behaviour_m, old_m, log_w_token, log_w_seq, n_all
+
+
+def _check_arguments(loss_type: str, importance_sampling_level: str, beta: float, ref: torch.Tensor | None) -> None:
+    if loss_type not in LOSS_NAMES:
+        raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_NAMES}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; "
+                         f"expected one of {IMPORTANCE_SAMPLING_LEVELS}")
+    if beta and ref is None:
+        raise ValueError("beta > 0 needs reference logprobs `ref`")
+
+
+def _live_tokens(loss_mask: torch.Tensor, log_w: torch.Tensor, log_w_seq: torch.Tensor, n_all: torch.Tensor,
+                 correction: Correction) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the tokens that carry loss, those masked by the correction's band, the sequences it
+    rejects): the loss mask less what the correction leaves out."""
+    live = loss_mask
+    masked_by_band = torch.zeros_like(loss_mask)
+    rejected = torch.zeros_like(n_all, dtype=torch.bool)
+    if correction.mode != "truncate":
+        low, high = correction.band
+        masked_by_band = loss_mask & ((log_w < _log_cap(low)) | (log_w > _log_cap(high)))
+        live = live & ~masked_by_band
+    if correction.rejects:
+        r_low, r_high = correction.reject
+        rejected = n_all > 0
+        outside = torch.zeros_like(rejected)
+        if r_low is not None:
+            outside = outside | (log_w_seq < _log_cap(r_low))
+        if r_high is not None:
+            outside = outside | (log_w_seq > _log_cap(r_high))
+        rejected = rejected & outside
+        live = live & ~rejected
+    return live, masked_by_band, rejected
+
+
+def _is_weights(log_w: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """pi_old / mu per token, truncated at `cap` when there is one."""
+    return torch.exp(log_w) if cap is None else _truncated_exp(log_w, cap)
+
+
+def _reduce(per_token: torch.Tensor, tokens_per_seq: torch.Tensor, loss_type: str, normalizer: float) -> torch.Tensor:
+    """The micro-batch's loss from its per-token losses, under the loss type's normaliser."""
+    if normalizer <= 0:
+        # Nothing in the whole batch carries loss: a zero loss that still touches the graph.
+        return per_token.sum() * 0.0
+    if loss_type == "grpo":
+        per_seq = per_token.sum(-1) / tokens_per_seq.squeeze(-1).clamp(min=1).to(per_token.dtype)
+        return per_seq.sum() / normalizer
+    return per_token.sum() / normalizer  # dapo and dr_grpo differ only in the normaliser
+
+
+def _normalizer_part(loss_type: str, tokens_per_seq: torch.Tensor, rejected: torch.Tensor,
+                     max_completion_length: int | None) -> float:
+    """This micro-batch's share of the whole batch's normaliser (`loss_normalizer`)."""
+    if loss_type == "dr_grpo":
+        # N counts every sequence not rejected (a sequence without loss tokens included, as
+        # loss_normalizer does); L stays the constant it is.
+        return float((~rejected).sum()) * float(max_completion_length or 0)
+    return loss_normalizer(loss_type, tokens_per_seq.squeeze(-1), None)
+
+
 def policy_loss(
     logp: torch.Tensor,
     old: torch.Tensor,
@@ -344,46 +276,16 @@ def policy_loss(
     The metrics count tokens at either level: a clipped sequence adds its loss tokens to
     `clipped`, a truncated one to `is_truncated`.
     """
-    if loss_type not in LOSS_NAMES:
-        raise ValueError(f"unknown loss type {loss_type!r}; expected one of {LOSS_NAMES}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; "
-                         f"expected one of {IMPORTANCE_SAMPLING_LEVELS}")
-    if beta and ref is None:
-        raise ValueError("beta > 0 needs reference logprobs `ref`")
+    _check_arguments(loss_type, importance_sampling_level, beta, ref)
     correction = correction or Correction(cap=tis_cap)
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     sequence_level = importance_sampling_level == "sequence"
     loss_mask = mask > 0
 
-    # Sanitise every input before any arithmetic: see "Masked positions" in the module
-    # docstring. `where` passes a zero gradient to the masked logp, never a NaN.
-    behaviour_m = torch.where(loss_mask, behaviour.to(logp.dtype), 0.0)
-    old_m = torch.where(loss_mask, old.detach().to(logp.dtype), 0.0)
-    # log(pi_old / mu) per token, detached, and what the corrections act on: the token's, or
-    # its sequence's mean at the sequence level.
-    log_w_token = (old_m - behaviour_m).detach().to(torch.promote_types(logp.dtype, torch.float32))
-    n_all = loss_mask.sum(-1, keepdim=True)
-    log_w_seq = log_w_token.sum(-1, keepdim=True) / n_all.clamp(min=1)
+    behaviour_m, old_m, log_w_token, log_w_seq, n_all = _sanitised(logp, old, behaviour, loss_mask)
+    # What the corrections act on: the token's log weight, or its sequence's mean at the sequence level.
     log_w = log_w_seq.expand_as(log_w_token) if sequence_level else log_w_token
-
-    live = loss_mask
-    masked_by_band = torch.zeros_like(loss_mask)
-    rejected = torch.zeros_like(n_all, dtype=torch.bool)
-    if correction.mode != "truncate":
-        low, high = correction.band
-        masked_by_band = loss_mask & ((log_w < _log_cap(low)) | (log_w > _log_cap(high)))
-        live = live & ~masked_by_band
-    if correction.rejects:
-        r_low, r_high = correction.reject
-        rejected = n_all > 0
-        outside = torch.zeros_like(rejected)
-        if r_low is not None:
-            outside = outside | (log_w_seq < _log_cap(r_low))
-        if r_high is not None:
-            outside = outside | (log_w_seq > _log_cap(r_high))
-        rejected = rejected & outside
-        live = live & ~rejected
+    live, masked_by_band, rejected = _live_tokens(loss_mask, log_w, log_w_seq, n_all, correction)
 
     def masked(x: torch.Tensor) -> torch.Tensor:
         return torch.where(live, x, 0.0)
@@ -399,12 +301,7 @@ def policy_loss(
 
     ratio = masked(torch.exp(log_ratio))
     cap = correction.weight_cap
-    if not correction.proximal:
-        weights = torch.ones_like(logp)
-    elif cap is None:
-        weights = masked(torch.exp(log_w).to(logp.dtype))
-    else:
-        weights = masked(_truncated_exp(log_w, cap).to(logp.dtype))
+    weights = torch.ones_like(logp) if not correction.proximal else masked(_is_weights(log_w, cap).to(logp.dtype))
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high) * adv
@@ -415,14 +312,7 @@ def policy_loss(
         per_token = per_token + beta * kl
     per_token = masked(per_token)
 
-    if normalizer <= 0:
-        # Nothing in the whole batch carries loss: a zero loss that still touches the graph.
-        loss = per_token.sum() * 0.0
-    elif loss_type == "grpo":
-        per_seq = per_token.sum(-1) / tokens_per_seq.squeeze(-1).clamp(min=1).to(logp.dtype)
-        loss = per_seq.sum() / normalizer
-    else:  # dapo and dr_grpo differ only in the normaliser
-        loss = per_token.sum() / normalizer
+    loss = _reduce(per_token, tokens_per_seq, loss_type, normalizer)
 
     with torch.no_grad():
         took_clip = (clipped < unclipped) & live
@@ -430,12 +320,7 @@ def policy_loss(
         truncated = 0.0
         if cap is not None and correction.proximal:
             truncated = float(((log_w >= _log_cap(cap)) & live).sum())
-        if loss_type == "dr_grpo":
-            # N counts every sequence not rejected (a sequence without loss tokens included, as
-            # loss_normalizer does); L stays the constant it is.
-            normalizer_part = float((~rejected).sum()) * float(max_completion_length or 0)
-        else:
-            normalizer_part = loss_normalizer(loss_type, tokens_per_seq.squeeze(-1), None)
+        normalizer_part = _normalizer_part(loss_type, tokens_per_seq, rejected, max_completion_length)
         movers = live if beta else live & (adv != 0)
         return LossOutput(
             loss=loss,

@@ -10,13 +10,12 @@ import torch
 from shared.contract import Truncation
 from shared.truncation import truncate_
 
+from services.trainer.logprobs import token_logprobs, truncated_token_logprobs
 from services.trainer.loss import (
-    truncated_token_logprobs,
     importance_weights,
     k3_kl,
     loss_normalizer,
     policy_loss,
-    token_logprobs,
 )
 
 ln = math.log

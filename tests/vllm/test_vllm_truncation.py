@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from services.trainer.loss import token_logprobs, truncated_token_logprobs
+from services.trainer.logprobs import token_logprobs, truncated_token_logprobs
 from shared.contract import Truncation
 from tests.support.vllm import VllmHandle, sync_weights
 
