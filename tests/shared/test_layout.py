@@ -120,3 +120,16 @@ def test_every_sampler_module_lives_in_a_room() -> None:
     loose = [name for name in _modules() if name.startswith("services.sampler.") and _room(name) is None]
     assert loose == [], f"modules outside the rooms (services/sampler/{{{','.join(ROOMS)}}}/): {loose}"
 
+
+def test_modules_and_functions_stay_short() -> None:
+    """A room is split before it grows past 500 lines, a function before it passes 90."""
+    long_modules, long_functions = [], []
+    for name, path in _modules().items():
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long_modules.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 90:
+                long_functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long_modules == [] and long_functions == [], long_modules + long_functions
+
