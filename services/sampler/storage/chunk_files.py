@@ -108,7 +108,10 @@ class ChunkFiles:
 
         started = time.monotonic()
         try:
-            await asyncio.wait_for(everything(), self.timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a shutdown's
+            # cancellation that lands as the write finishes (shared/aio.py, wait_event).
+            async with asyncio.timeout(self.timeout):
+                await everything()
         except TimeoutError:
             stop.set()
             if not keep_existing:  # the attempt's own directory: removed once the writers are done

@@ -182,7 +182,8 @@ class Store:
                     writing = None
 
         try:
-            await asyncio.wait_for(everything(), self.write_timeout)
+            async with asyncio.timeout(self.write_timeout):  # not wait_for: see chunk_files.ChunkFiles.write
+                await everything()
         except TimeoutError:
             total = sum(len(b) for b in buffers)
             raise StoreFailed(f"batch {step}: {describe_bytes(total)} could not be stored in {self.write_timeout:g} s: "
