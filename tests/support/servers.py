@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,16 @@ import httpx
 import uvicorn
 
 from services.procs import free_port  # noqa: F401 - tests import it from here
+
+
+@contextmanager
+def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port where every connection is refused while the block runs: bound here and never
+    listened on. A port from free_port() that nobody listens on is not that: another test's
+    server may take it meanwhile, and answer (a 401 where a refusal was meant)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        yield sock.getsockname()[1]
 
 REPO = Path(__file__).resolve().parents[2]
 _ACCESS_LINE = re.compile(r'^INFO: +[0-9.:\[\]a-f]+ - "')

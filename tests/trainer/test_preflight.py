@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,9 +19,16 @@ import pytest
 
 from services.trainer.entrypoint import main as trainer_main
 from shared.client import SamplerClient, SamplerUnavailable, Unauthorized
-from tests.support.servers import REPO, free_port
+from tests.support.servers import REPO, refused_port
 
 TOKEN = "preflight-token"
+
+
+@pytest.fixture
+def refused_url() -> Iterator[str]:
+    """A URL nothing answers at for the whole test (tests/support/servers.refused_port)."""
+    with refused_port() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -33,7 +41,7 @@ def _last_line(err: str) -> str:
     return err.strip().splitlines()[-1]
 
 
-def test_a_model_that_is_not_there_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_model_that_is_not_there_is_refused_in_one_line(tmp_path: Path, refused_url: str) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     a_file = tmp_path / "weights.bin"
@@ -42,7 +50,7 @@ def test_a_model_that_is_not_there_is_refused_in_one_line(tmp_path: Path) -> Non
                            (str(empty), [f"--model {empty} is not a Hugging Face model directory", "config.json"]),
                            (str(a_file), [f"--model {a_file} is a file"])):
         t0 = time.monotonic()
-        done = _cli("--model", model, "--sampler-url", f"http://127.0.0.1:{free_port()}")
+        done = _cli("--model", model, "--sampler-url", refused_url)
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1, done.stderr  # no traceback, no log line: the sampler was not asked
@@ -52,7 +60,7 @@ def test_a_model_that_is_not_there_is_refused_in_one_line(tmp_path: Path) -> Non
         assert time.monotonic() - t0 < 20
 
 
-def test_a_model_in_the_local_hub_cache_is_accepted(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_model_in_the_local_hub_cache_is_accepted(tiny_model_dir: Path, tmp_path: Path, refused_url: str) -> None:
     """What `from_pretrained` loads offline today stays allowed: a hub name whose files are cached."""
     snapshot = tmp_path / "hub" / "models--local--tiny" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
@@ -61,13 +69,11 @@ def test_a_model_in_the_local_hub_cache_is_accepted(tiny_model_dir: Path, tmp_pa
     (tmp_path / "hub" / "models--local--tiny" / "refs").mkdir()
     (tmp_path / "hub" / "models--local--tiny" / "refs" / "main").write_text("abc")
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    port = free_port()
     # Past the model check, the trainer looks for the sampler (none here): exit 4, not 2.
-    done = _cli("--model", "local/tiny", "--sampler-url", f"http://127.0.0.1:{port}", "--retry-for", "0.5",
-                env=env)
+    done = _cli("--model", "local/tiny", "--sampler-url", refused_url, "--retry-for", "0.5", env=env)
     assert done.returncode == 4, done.stderr
     assert "does not exist" not in done.stderr
-    missing = _cli("--model", "local/absent", "--sampler-url", f"http://127.0.0.1:{port}", env=env)
+    missing = _cli("--model", "local/absent", "--sampler-url", refused_url, env=env)
     assert missing.returncode == 2 and "--model local/absent does not exist" in missing.stderr, missing.stderr
 
 
@@ -108,9 +114,9 @@ def test_a_token_the_sampler_refuses_stops_the_trainer_before_the_model_loads(
     assert not (run_dir / "published").exists() and not (run_dir / "checkpoints").exists()
 
 
-async def test_an_unreachable_sampler_is_retried_with_a_line_per_interval(caplog) -> None:
+async def test_an_unreachable_sampler_is_retried_with_a_line_per_interval(caplog, refused_url: str) -> None:
     caplog.set_level(logging.INFO, logger="tandem.client")
-    url = f"http://127.0.0.1:{free_port()}"
+    url = refused_url
     async with SamplerClient(url, retry_for=1.5, report_every=0.4, retry_for_name="--retry-for") as client:
         t0 = time.monotonic()
         with pytest.raises(SamplerUnavailable) as caught:
@@ -128,8 +134,9 @@ async def test_an_unreachable_sampler_is_retried_with_a_line_per_interval(caplog
     assert all("still waiting for the sampler" in line and "giving up in" in line for line in lines[1:]), lines
 
 
-def test_the_cli_gives_up_on_an_unreachable_sampler_in_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{free_port()}"
+def test_the_cli_gives_up_on_an_unreachable_sampler_in_one_line(tiny_model_dir: Path, tmp_path: Path,
+                                                                 refused_url: str) -> None:
+    url = refused_url
     done = _cli("--model", str(tiny_model_dir), "--sampler-url", url, "--run-dir", str(tmp_path / "t"),
                 "--retry-for", "1.5", "--wait-log-interval", "0.5")
     assert done.returncode == 4, done.stderr
@@ -143,12 +150,12 @@ def test_the_cli_gives_up_on_an_unreachable_sampler_in_one_line(tiny_model_dir: 
 
 
 async def test_a_batch_wait_says_what_the_sampler_waits_for_then_gives_up_naming_the_bound(
-        make_sampler, caplog) -> None:
+        make_sampler, caplog, refused_url: str) -> None:
     """Every inference server down: the wait logs the sampler's view (servers in rotation, the
     dead one's state) each interval; the sampler's 503 after generation_deadline is retried for
     retry_for, and the error names the bound and carries the sampler's cause."""
     caplog.set_level(logging.INFO, logger="tandem.client")
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = refused_url
     sampler = make_sampler(inference_urls=[dead], generation_deadline=1.5, max_poll_timeout=5)
     async with SamplerClient(sampler.url, poll_timeout=5, retry_for=1.5, report_every=0.5,
                              retry_for_name="--retry-for") as client:
@@ -215,10 +222,13 @@ def test_the_trl_link_names_the_token_it_lacks(make_sampler) -> None:
 
 
 def test_the_trainer_with_every_inference_server_down_speaks_then_stops_in_one_line(
-        make_sampler, tiny_model_dir: Path, tmp_path: Path, capsys, caplog) -> None:
+        make_sampler, tiny_model_dir: Path, tmp_path: Path, capsys, caplog, refused_url: str) -> None:
     caplog.set_level(logging.INFO, logger="tandem.client")
-    dead = f"http://127.0.0.1:{free_port()}"
-    sampler = make_sampler(inference_urls=[dead], generation_deadline=1.5, max_poll_timeout=5)
+    dead = refused_url
+    # generation_deadline counts from the sampler's start, and the trainer must first reach its
+    # first GET /batch (a cold torch import and the model load: 3 s alone on a quiet machine) to
+    # see 204s and say what it waits for before the 503s begin: 8 s leaves it that room.
+    sampler = make_sampler(inference_urls=[dead], generation_deadline=8, max_poll_timeout=5)
     code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url, "--run-dir",
                          str(tmp_path / "t"), "--per-device-batch-size", "4", "--grad-accum-steps", "4",
                          "--no-progress", "--no-eval-at-start", "--no-eval-at-end", "--retry-for", "1.5",
