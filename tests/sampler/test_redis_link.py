@@ -7,13 +7,18 @@ import logging
 
 import redis.asyncio as aioredis
 
-from services.procs import free_port
 from services.sampler.storage.redis_link import RedisLink
+from tests.support.servers import refused_port
 
 
 async def test_while_redis_is_down_the_monitor_looks_a_few_times_a_second_and_warns_once(caplog):
     caplog.set_level(logging.WARNING)
-    client = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
+    with refused_port() as port:  # nothing can answer there meanwhile
+        await _watch_a_dead_redis(port, caplog)
+
+
+async def _watch_a_dead_redis(port: int, caplog) -> None:
+    client = aioredis.from_url(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=1)
     link = RedisLink(client, "redis://nowhere")
     looks = 0
     real = link._run_id

@@ -17,7 +17,7 @@ from shared.client import (
     Unauthorized,
     VersionConflict,
 )
-from tests.support.servers import UvicornThread, free_port
+from tests.support.servers import UvicornThread, free_port, refused_port
 
 
 @pytest.fixture
@@ -109,9 +109,10 @@ async def test_transport_errors_are_retried_until_the_sampler_comes_up(make_samp
 
 
 async def test_gives_up_with_a_clear_error():
-    async with SamplerClient(f"http://127.0.0.1:{free_port()}", retry_for=0.5) as client:
-        with pytest.raises(SamplerUnavailable, match="kept failing"):
-            await client.get_batch(0)
+    with refused_port() as port:  # nothing can answer there meanwhile
+        async with SamplerClient(f"http://127.0.0.1:{port}", retry_for=0.5) as client:
+            with pytest.raises(SamplerUnavailable, match="kept failing"):
+                await client.get_batch(0)
 
 
 async def test_unauthorized(make_sampler):
