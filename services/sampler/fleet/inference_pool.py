@@ -85,7 +85,6 @@ class Server:
     requests: int = 0
     failures: int = 0
     last_sync_seconds: float | None = None
-    syncing: bool = False
     resyncs: int = 0
     reload_method: str | None = None  # collective_rpc method that reloads its weights (weight_sync.py)
     plain_vllm: bool = False  # with reload_method: vLLM without Tandem's worker extension (no delta versions)
@@ -99,8 +98,9 @@ class Server:
     # Set when a sync to it was abandoned (it stopped answering mid-sync): its label may name
     # weights it never finished loading, so when it answers again it is re-synced whatever it says.
     needs_resync: str | None = None
-    # Monotonic seconds our weight syncs have held it so far, and when the one now running began:
-    # a request frozen by a sync's pause is not charged for that time (InferencePool.budget).
+    # Monotonic seconds our weight syncs have held it so far, and when the one now running began
+    # (None: no sync of ours holds it): a request frozen by a sync's pause is not charged for
+    # that time (InferencePool._bounded).
     held_seconds: float = 0.0
     held_since: float | None = None
     added_at: float = field(default_factory=time.time)
@@ -116,6 +116,11 @@ class Server:
             and now >= self.cooldown_until
         )
 
+    @property
+    def syncing(self) -> bool:
+        """Whether a weight sync of ours is working on this server now (it gets no new work)."""
+        return self.held_since is not None
+
     def hold(self, syncing: bool) -> None:
         """A weight sync of ours starts (True) or ends (False) on this server."""
         now = time.monotonic()
@@ -124,7 +129,6 @@ class Server:
         elif not syncing and self.held_since is not None:
             self.held_seconds += now - self.held_since
             self.held_since = None
-        self.syncing = syncing
 
     def held(self) -> float:
         """Seconds our weight syncs have held this server, the one running now included."""

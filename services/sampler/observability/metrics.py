@@ -25,7 +25,7 @@ from shared import contract
 if TYPE_CHECKING:
     from services.sampler.fleet.inference_pool import InferencePool
     from services.sampler.building.producer import Producer
-    from services.sampler.rollouts.rollout import Rollouts
+    from services.sampler.rollouts.rollout import NonFiniteCounts, Rollouts
     from services.sampler.storage.store import Store
     from services.sampler.fleet.weight_sync import SyncResult
 
@@ -272,7 +272,7 @@ def _server_families(pool: InferencePool) -> Iterable[Any]:
                 foreign_pauses)
 
 
-def _nonfinite_families(nonfinite: Any) -> Iterable[Any]:
+def _nonfinite_families(nonfinite: NonFiniteCounts) -> Iterable[Any]:
     """What was kept out for being NaN or infinite: rewards, groups, logprobs."""
     rewards = CounterMetricFamily("tandem_sampler_nonfinite_rewards",
                                   "completions whose reward or a reward part was NaN or infinite (train: their "
