@@ -23,8 +23,6 @@ varies the moment and runs under load.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from tests.reliability.support import (
     Trainer,
     check_batches,
     finish_after_restart,
+    freeze,
     run_token,
     start_redis_at,
     start_standin_process,
@@ -74,7 +73,7 @@ class _Said(logging.Handler):
             self.times.append(record.created)
 
 
-def hang_drill(tmp: Path, cleanup: Cleanup, target: str, moment: str, freeze: float) -> dict[str, Any]:
+def hang_drill(tmp: Path, cleanup: Cleanup, target: str, moment: str, frozen_for: float) -> dict[str, Any]:
     token = run_token()
     auth = bearer_headers(token)
     servers = [start_standin_process(tmp, cleanup, token_latency=0.02, api_token=token) for _ in range(2)]
@@ -107,8 +106,7 @@ def hang_drill(tmp: Path, cleanup: Cleanup, target: str, moment: str, freeze: fl
                      "a batch being built", interval=0.01)
             syncing = None
         pid = {"inference": (syncing or servers[0]).pid, "redis": redis_proc.pid, "sampler": sampler.pid}[target]
-        os.kill(pid, signal.SIGSTOP)
-        cleanup.add(lambda: os.kill(pid, signal.SIGCONT))  # a failed run leaves nothing frozen
+        thaw = freeze(pid, cleanup)
         frozen, frozen_wall = time.monotonic(), time.time()
         published_at_freeze = len(trainer.published)
         if target == "redis":
@@ -117,15 +115,15 @@ def hang_drill(tmp: Path, cleanup: Cleanup, target: str, moment: str, freeze: fl
             took = time.monotonic() - asked
             assert reply.status_code in (204, 503), (reply.status_code, reply.text)
             assert took <= 1 + 2 + MARGIN, f"GET /batch?timeout=1 answered after {took:.1f}s with Redis frozen"
-        time.sleep(max(0.0, freeze - (time.monotonic() - frozen)))
+        time.sleep(max(0.0, frozen_for - (time.monotonic() - frozen)))
         if target == "inference":
             # The other server carries the run: a long freeze must not stall it.
-            if freeze > CHECK_TIMEOUT + MARGIN:
+            if frozen_for > CHECK_TIMEOUT + MARGIN:
                 assert len(trainer.published) > published_at_freeze, "the run stood still while one server was frozen"
         else:
             assert trainer.is_alive(), f"the trainer stopped during the freeze: {trainer.error!r}"
-        os.kill(pid, signal.SIGCONT)
-        if target == "sampler" and freeze >= REPORT_EVERY + min(ANSWER_GRACE_S, REPORT_EVERY) + MARGIN:
+        thaw()
+        if target == "sampler" and frozen_for >= REPORT_EVERY + min(ANSWER_GRACE_S, REPORT_EVERY) + MARGIN:
             assert any(t >= frozen_wall for t in said.times), "the trainer's client never said the sampler is silent"
 
     recovered = finish_after_restart(trainer, sampler.url, detail=sampler.log_tail, timeout=120)
@@ -140,4 +138,4 @@ def hang_drill(tmp: Path, cleanup: Cleanup, target: str, moment: str, freeze: fl
 
     wait_for(back, 30, f"both inference servers in rotation at version {STEPS} and none paused",
              detail=sampler.log_tail)
-    return {"recovered": recovered, "max_wait": max(trainer.waits), "variant": f"{target} {moment} {freeze:g}s"}
+    return {"recovered": recovered, "max_wait": max(trainer.waits), "variant": f"{target} {moment} {frozen_for:g}s"}

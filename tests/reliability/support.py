@@ -65,6 +65,19 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def freeze(pid: int, cleanup: Cleanup) -> Callable[[], None]:
+    """SIGSTOP `pid` (a hang: its sockets accept connections, nothing answers); returns the
+    thaw (SIGCONT), which `cleanup` runs too, before it stops anything, so a failed test leaves
+    nothing frozen. Thawing twice is harmless."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def thaw() -> None:
+        os.kill(pid, signal.SIGCONT)
+
+    cleanup.add(thaw)
+    return thaw
+
+
 def kill_pid(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)

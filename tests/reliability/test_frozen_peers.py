@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from tests.reliability.support import (
     Trainer,
     check_batches,
     finish_after_restart,
+    freeze,
     run_token,
     start_redis_at,
     stop_process,
@@ -36,11 +35,6 @@ from tests.support.servers import start_sampler_process, start_standin
 
 STEPS = 8
 MARGIN = 2.0  # what a loaded machine may add to a bound
-
-
-def _freeze(pid: int, cleanup: Cleanup) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    cleanup.add(lambda: os.kill(pid, signal.SIGCONT))  # a failed test leaves nothing frozen
 
 
 def _stack(tmp_path: Path, cleanup: Cleanup, token: str):
@@ -71,7 +65,7 @@ def test_a_frozen_redis_holds_no_long_poll_past_its_timeout(tmp_path: Path, clea
              "the trainer's first 3 steps", detail=sampler.log_tail)
     assert trainer.error is None, repr(trainer.error)
 
-    _freeze(redis_proc.pid, cleanup)
+    thaw = freeze(redis_proc.pid, cleanup)
     frozen = time.monotonic()
     with httpx.Client(headers=bearer_headers(token), timeout=60) as http:
         for timeout in (0.0, 1.0):
@@ -85,7 +79,7 @@ def test_a_frozen_redis_holds_no_long_poll_past_its_timeout(tmp_path: Path, clea
                 assert "Retry-After" in reply.headers and "Redis" in reply.json()["detail"], reply.text
     time.sleep(max(0.0, 8.0 - (time.monotonic() - frozen)))  # the freeze outlasts a poll and a step
     assert trainer.is_alive(), f"the trainer stopped during the freeze: {trainer.error!r}"
-    os.kill(redis_proc.pid, signal.SIGCONT)
+    thaw()
     assert len(trainer.published) < STEPS, "the trainer finished during the freeze: the drill tested nothing"
     _finish(trainer, sampler.url, sampler)
 
@@ -103,7 +97,7 @@ def test_a_frozen_sampler_is_reported_and_the_trainer_carries_on(tmp_path: Path,
              "the trainer's first 3 steps", detail=sampler.log_tail)
     assert trainer.error is None, repr(trainer.error)
 
-    _freeze(sampler.popen.pid, cleanup)
+    thaw = freeze(sampler.popen.pid, cleanup)
     frozen = time.time()
     bound = report_every + min(ANSWER_GRACE_S, report_every)
 
@@ -114,6 +108,6 @@ def test_a_frozen_sampler_is_reported_and_the_trainer_carries_on(tmp_path: Path,
     assert said[0].created - frozen <= bound + MARGIN, f"said after {said[0].created - frozen:.1f}s"
     time.sleep(max(0.0, 6.0 - (time.time() - frozen)))
     assert trainer.is_alive(), f"the trainer stopped during the freeze: {trainer.error!r}"
-    os.kill(sampler.popen.pid, signal.SIGCONT)
+    thaw()
     assert len(trainer.published) < STEPS, "the trainer finished during the freeze: the drill tested nothing"
     _finish(trainer, sampler.url, sampler)

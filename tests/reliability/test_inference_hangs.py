@@ -12,15 +12,13 @@ else is resumed, and the event is logged and counted.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.reliability.support import Cleanup, start_standin_process, wait_for
+from tests.reliability.support import Cleanup, freeze, start_standin_process, wait_for
 from tests.support.driver import hold_second_turns
 
 CHECK_TIMEOUT = 2.0  # server_check_timeout of these samplers
@@ -29,11 +27,6 @@ MARGIN = 3.0  # what a loaded machine may add to it
 
 def _servers(url: str) -> dict[str, dict]:
     return {s["url"]: s for s in httpx.get(f"{url}/weights_version", timeout=10).json()["servers"]}
-
-
-def _freeze(proc, cleanup: Cleanup) -> None:
-    os.kill(proc.pid, signal.SIGSTOP)
-    cleanup.add(lambda: os.kill(proc.pid, signal.SIGCONT))  # before it is stopped (Cleanup runs in reverse)
 
 
 def _sampler(make_sampler, urls: list[str], **settings):
@@ -54,7 +47,7 @@ def test_a_frozen_server_is_cut_off_and_the_publication_answers(tmp_path: Path, 
             published = http.post("/weights_version", json={"version": step + 1, "checkpoint_path": f"/ckpt/{step + 1}"})
             assert published.status_code == 200, published.text
 
-        _freeze(a, cleanup)
+        thaw = freeze(a.pid, cleanup)
         started = time.monotonic()
         # Without the liveness check this waits for the sync's pause step (sync_step_timeout, 30 s).
         published = http.post("/weights_version", json={"version": 3, "checkpoint_path": "/ckpt/3"}, timeout=25)
@@ -74,7 +67,7 @@ def test_a_frozen_server_is_cut_off_and_the_publication_answers(tmp_path: Path, 
         status = http.get("/status").json()
         assert any(s["url"] == a.url and s["state"] == "down" for s in status["inference_servers"]), status
 
-        os.kill(a.pid, signal.SIGCONT)
+        thaw()
         thawed = wait_for(lambda: (s := _servers(sampler.url)[a.url])["state"] == "ok" and s["version"] == 3 and s,
                           20, "the thawed server to be re-synced to version 3")
         assert any("re-synced to version 3" in e["event"] for e in thawed["events"]), thawed["events"]
@@ -96,7 +89,7 @@ def test_requests_in_flight_to_a_frozen_server_are_rerun_elsewhere(tmp_path: Pat
     b = start_standin_process(tmp_path, cleanup, token_latency=0.05)
     sampler = _sampler(make_sampler, [a.url, b.url], max_tokens=40)
     wait_for(lambda: _servers(sampler.url)[a.url]["outstanding"] > 0, 20, "a request in flight to server A")
-    _freeze(a, cleanup)
+    freeze(a.pid, cleanup)
     started = time.monotonic()
     batch = httpx.get(f"{sampler.url}/batch", params={"step": 0, "timeout": 60}, timeout=70)
     took = time.monotonic() - started
@@ -118,7 +111,7 @@ def test_conversations_on_a_frozen_server_move_to_another(tmp_path: Path, make_s
                        env_args='{"max_turns": 3}', max_tokens=4)
     wait_for(lambda: httpx.get(f"{a.url}/_standin/stats").json()["held"] > 0, 20, "a conversation held on A")
     began = set(httpx.get(f"{a.url}/_standin/stats").json()["sessions"])
-    _freeze(a, cleanup)
+    freeze(a.pid, cleanup)
     started = time.monotonic()
     batch = httpx.get(f"{sampler.url}/batch", params={"step": 0, "timeout": 60}, timeout=70)
     took = time.monotonic() - started
