@@ -120,25 +120,34 @@ def st(request: Request) -> StandInState:
     return request.state.standin
 
 
+def _prompts(prompt: Any) -> list[list[int]]:
+    """The prompt(s) of a /v1/completions body as token ids, as vLLM reads them: a string or a
+    list of ids is one prompt; a list of strings or of id lists is one prompt each (the
+    stand-in's "tokenizer" is the bytes of the text)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [[int(t) for t in p] if isinstance(p, list) else list(p.encode()) for p in prompt]
+    if isinstance(prompt, list):
+        return [[int(t) for t in prompt]]
+    return [list(str(prompt).encode())]
+
+
 async def _complete(s: StandInState, body: dict[str, Any], request: Request) -> dict[str, Any] | JSONResponse:
-    """A /v1/completions body's answer, or the error response."""
+    """A /v1/completions body's answer, or the error response: `n` choices per prompt, in
+    prompt order (index = prompt * n + i), as vLLM answers a list prompt."""
     s.requests += 1
     if s.fail_next > 0:
         s.fail_next -= 1
         return _error(503, "stand-in told to fail")
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list):
-        prompt_ids = [int(t) for t in prompt]
-    else:
-        prompt_ids = list(str(prompt).encode())
+    prompts = _prompts(body.get("prompt", ""))
     n = int(body.get("n", 1))
     max_tokens = body.get("max_tokens", 16)
     if not isinstance(max_tokens, int) or max_tokens < 1:
         return _error(400, f"max_tokens must be at least 1, got {max_tokens}")
-    if len(prompt_ids) + max_tokens > s.max_model_len:  # as vLLM refuses it
-        return _error(400, f"This model's maximum context length is {s.max_model_len} tokens. However, you "
-                           f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                           f"{max_tokens} for the completion).")
+    for prompt_ids in prompts:
+        if len(prompt_ids) + max_tokens > s.max_model_len:  # as vLLM refuses it
+            return _error(400, f"This model's maximum context length is {s.max_model_len} tokens. However, you "
+                               f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                               f"{max_tokens} for the completion).")
     session = request.headers.get("x-session-id")
     if session is not None:
         s.sessions[session] = s.sessions.get(session, 0) + 1
@@ -148,20 +157,39 @@ async def _complete(s: StandInState, body: dict[str, Any], request: Request) -> 
                 await s.released.wait()
             finally:
                 s.held -= 1
-    temperature = float(body.get("temperature", 1.0))
     seed = body.get("seed")
+    # One stream per request, read prompt by prompt: a one-prompt request draws as it always did.
     rng = random.Random(seed if seed is not None else time.perf_counter_ns())
+    # Every choice's own stream drawn first, in order; the prompts then generate together.
+    rngs = [[random.Random(rng.random()) for _ in range(n)] for _ in prompts]
+    per_prompt = await asyncio.gather(*(_prompt_choices(s, body, ids, k * n, max_tokens, rngs[k])
+                                        for k, ids in enumerate(prompts)))
+    choices = [c for group in per_prompt for c in group]
+    generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
+    prompt_tokens = sum(map(len, prompts))
+    return {
+        "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
+        "model": s.model_id, "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                  "total_tokens": prompt_tokens + generated},
+    }
+
+
+async def _prompt_choices(s: StandInState, body: dict[str, Any], prompt_ids: list[int], first: int,
+                          max_tokens: int, rngs: list[random.Random]) -> list[dict[str, Any]]:
+    """One prompt's choices (one per generator in `rngs`), indexed from `first`."""
+    temperature = float(body.get("temperature", 1.0))
     scripted = s.script(prompt_ids)
     if s.token_latency == 0 and s.resumed.is_set() and s.running.is_set():
         # Instantaneous inference (throughput benchmarks): no per-token awaits at all.
-        choices = [_choice(i, prompt_ids, *(_sample_now(max_tokens, temperature, random.Random(rng.random()))
-                                            if scripted is None else _script_now(scripted, max_tokens)),
-                           [], s.version, body) for i in range(n)]
+        choices = [_choice(first + i, prompt_ids, *(_sample_now(max_tokens, temperature, r)
+                                                    if scripted is None else _script_now(scripted, max_tokens)),
+                           [], s.version, body) for i, r in enumerate(rngs)]
     else:
-        choices = await asyncio.gather(*(
-            _generate(s, i, prompt_ids, max_tokens, temperature, random.Random(rng.random()), body, scripted)
-            for i in range(n)
-        ))
+        choices = list(await asyncio.gather(*(
+            _generate(s, first + i, prompt_ids, max_tokens, temperature, r, body, scripted)
+            for i, r in enumerate(rngs)
+        )))
     if body.get("prompt_logprobs") is not None:
         rows = standin_prompt_logprobs(s.weights, prompt_ids)
         for choice in choices:
@@ -169,13 +197,7 @@ async def _complete(s: StandInState, body: dict[str, Any], request: Request) -> 
                 {str(t): {"logprob": lp, "rank": 1, "decoded_token": chr(t % 256)}}
                 for t, lp in zip(prompt_ids[1:], rows[1:])
             ]
-    generated = sum(len(c["logprobs"]["token_logprobs"]) for c in choices)
-    return {
-        "id": f"cmpl-{s.requests}", "object": "text_completion", "created": int(time.time()),
-        "model": s.model_id, "choices": list(choices),
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
-                  "total_tokens": len(prompt_ids) + generated},
-    }
+    return choices
 
 def _sample_now(max_tokens: int, temperature: float, rng: random.Random) -> tuple[list[int], str]:
     """The token loop of `_generate` without pauses or latency: same distribution."""

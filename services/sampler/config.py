@@ -95,7 +95,8 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
     grad_accum_steps: int | None = Field(default=None, ge=1)
     world_size: int | None = Field(default=None, ge=1)
     max_concurrency: int = Field(default=64, ge=1, description="inference requests in flight")
-    eval_concurrency: int = Field(default=0, ge=0, description="eval requests in flight; 0 = a quarter of max_concurrency")
+    eval_concurrency: int = Field(default=0, ge=0, description="eval prompts in flight (single-turn: lists of up to "
+                                  "this many per request); 0 = a quarter of max_concurrency")
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling; the trainer scores the same nucleus")
     top_k: int | None = Field(default=None, ge=-1, description="sample among the k most likely tokens (-1, 0: off)")

@@ -1,10 +1,11 @@
 """Eval jobs: one generation per eval prompt (a whole conversation for a multi-turn
-environment), greedy by default, rewards only.
+environment), greedy by default, rewards only. A single-turn environment's prompts are sent
+as lists, up to `eval_concurrency` per request (one request's overhead per list, not per prompt).
 
 Jobs live in Redis (`eval:<id>` holds the whole record as JSON) so `GET /eval/{id}`
 works from any replica and after a restart; a restarted sampler re-runs jobs that were
 pending or running. Eval requests pass through the shared inference pool but at most
-`eval_concurrency` at a time, so an eval never takes all of training's capacity.
+`eval_concurrency` prompts at a time, so an eval never takes all of training's capacity.
 
 An example whose reward (or a reward part) is NaN or infinite is left out of the means,
 counted (`nonfinite_rewards` in the result, the sampler's non-finite counters) and named in
@@ -14,6 +15,7 @@ one warning per eval; an eval where no reward is finite fails with that explanat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -45,11 +47,29 @@ class Evals:
         self.keys = keys
         self.notifier = notifier
         self.rollouts_for = rollouts_for
+        # Eval prompts in flight, over every eval job: a conversation takes one permit; a
+        # single-turn environment's prompts go in lists of up to `concurrency`, one permit each.
+        self.concurrency = concurrency
         self.semaphore = asyncio.Semaphore(concurrency)
+        self._gathering = asyncio.Lock()  # one list at a time takes its permits: two never deadlock half-way
         self.default_examples = default_examples
         # Under a curriculum, an eval without an env evaluates every lesson separately.
         self.lessons = lessons
         self._tasks: set[asyncio.Task] = set()
+
+    @contextlib.asynccontextmanager
+    async def _permits(self, count: int):
+        """`count` of the semaphore's permits, held together (taken one list at a time)."""
+        taken = 0
+        try:
+            async with self._gathering:
+                for _ in range(count):
+                    await self.semaphore.acquire()
+                    taken += 1
+            yield
+        finally:
+            for _ in range(taken):
+                self.semaphore.release()
 
     async def _save(self, record: dict[str, Any]) -> None:
         await self.r.set(self.keys.eval(record["eval_id"]), json.dumps(record))
@@ -167,7 +187,18 @@ class Evals:
                     example, min_version=min_version, sampling=sampling, label=f"eval/{run_id}/{example.prompt_id}")
             return example, completion, total, parts
 
-        scored = await asyncio.gather(*(one(ex) for ex in examples))
+        async def each(chunk):
+            # A single-turn environment's prompts, one request per list (Rollouts.sample_each).
+            async with self._permits(len(chunk)):
+                done = await rollouts.sample_each(chunk, min_version=min_version, sampling=sampling)
+            return [(ex, completion, total, parts) for ex, (completion, (total, parts)) in zip(chunk, done)]
+
+        if rollouts.multiturn:
+            scored = await asyncio.gather(*(one(ex) for ex in examples))
+        else:
+            size = max(1, self.concurrency)
+            chunks = await asyncio.gather(*(each(examples[i:i + size]) for i in range(0, len(examples), size)))
+            scored = [row for chunk in chunks for row in chunk]
         totals = [total for _, _, total, _ in scored]
         all_parts = [parts for *_, parts in scored]
         bad = set(nonfinite_rewards(totals, all_parts))

@@ -287,10 +287,11 @@ class Rollouts:
                 last_error = f"{server.url}: {exc!r}"
         raise InferenceRequestError(f"cannot read the model id from any /v1/models ({last_error})")
 
-    async def generate(self, prompt: str | list[int], *, n: int, min_version: int = 0, session: str | None = None,
-                       **sampling: Any) -> list[Completion]:
-        """`n` completions of `prompt` (text, or token ids: token-in); `session` names a
-        multi-turn trajectory, whose turns go to one server (inference_pool.py)."""
+    async def generate(self, prompt: str | list[int] | list[str] | list[list[int]], *, n: int, min_version: int = 0,
+                       session: str | None = None, **sampling: Any) -> list[Completion]:
+        """`n` completions of `prompt` (text, or token ids: token-in; a list of those: `n` of
+        each, in order); `session` names a multi-turn trajectory, whose turns go to one server
+        (inference_pool.py)."""
         body = {
             **self.request_sampling,
             **sampling,
@@ -402,6 +403,24 @@ class Rollouts:
             return await trajectory(self, example, label, min_version=min_version, seed=0, sampling=sampling)
         completions = await self.generate(self.env.format_prompt(example), n=1, min_version=min_version, **sampling)
         return completions[0], await score(self, example, completions[0])
+
+    async def sample_each(self, examples: list[Example], *, min_version: int,
+                          sampling: dict[str, Any]) -> list[tuple[Completion, tuple[float, dict[str, float]]]]:
+        """`sample_one` of every example of a single-turn environment, from ONE request whose
+        prompt is the list of their prompts (the OpenAI API's batched form, which vLLM and the
+        CPU server answer one choice per prompt, in order): an eval of 64 prompts costs the
+        sampler and the server one request's overhead instead of 64. Same prompts, sampling
+        and scores as one request each; a failed request retries the whole list."""
+        if self.multiturn:
+            raise ValueError("sample_each is for single-turn environments: a conversation is one request per turn")
+        completions = await self.generate([self.env.format_prompt(ex) for ex in examples], n=1,
+                                          min_version=min_version, **sampling)
+        if len(completions) != len(examples):
+            raise InferenceRequestError(f"asked for one completion of each of {len(examples)} prompts in one "
+                                        f"request, got {len(completions)}: the server must answer a list prompt "
+                                        "with one choice per prompt (OpenAI /v1/completions)")
+        scores = await asyncio.gather(*(score(self, ex, c) for ex, c in zip(examples, completions)))
+        return list(zip(completions, scores))
 
 
 def summarize_batch(step: int, samples: list[dict[str, Any]], started_at: float, sealed_at: float) -> BatchStats:
