@@ -246,7 +246,9 @@ class Publisher:
         record["publish_s"] = time.monotonic() - t0
         if self._posted is not None and self._job is job:
             self._posted.set()
-        self.prune(path)
+        # Deleting old versions' files is system calls that can take milliseconds: on the
+        # publication's thread, not the event loop the next batch's fetch runs on.
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.prune, path)
         await self._point("published", job.step)
         if job.inline:
             # Measured here, not by the caller: the metrics line is written now, before the

@@ -86,11 +86,14 @@ async def post_weights_version(body: WeightsVersionRequest, state: State) -> Wei
                 status.HTTP_409_CONFLICT,
                 detail=f"version {body.version} is lower than the published version {previous}",
             )
+        # The producer may build on the new version now: woken before the trim and the metrics,
+        # which nothing it does waits for (the next batch's generation is on the trainer's path).
+        state.notifier.notify()
         if outcome == 2:
             await state.store.trim_below(body.version - state.settings.keep_batches, body.resume_step)
             if body.metrics:
                 # With each server's sync seconds: the dashboard's timeline draws the apply.
                 applied = {r.url: round(r.seconds, 4) for r in results if r.ok} if body.checkpoint_path else {}
                 await state.store.add_trainer_metrics(body.version, {**body.metrics, "apply_s": applied})
-        state.notifier.notify()
+            state.notifier.notify()  # what the trim changed (GET /batch of a trimmed step answers 410)
     return await _current(state)
