@@ -148,3 +148,20 @@ def test_an_engine_that_dies_is_reported_and_healed_when_it_is_back(
                         reference_prompt_logprobs(other_checkpoint, IDS)) < 1e-3
     answer = httpx.get(url + "/batch", params={"step": step, "timeout": 120}, headers=AUTH, timeout=180)
     assert answer.status_code == 200, answer.text[:500]
+
+
+def test_an_eval_sends_lists_of_prompts_that_vllm_answers_one_choice_each(vllm_server: VllmHandle, sampler) -> None:
+    """A single-turn eval's prompts go as lists (the OpenAI batched `prompt`): vLLM answers one
+    choice per prompt, in order, each with its prompt's token ids, and each greedy completion
+    is what the same prompt alone gets."""
+    url = sampler.url
+    eval_id = httpx.post(url + "/eval", json={"num_examples": 6}, headers=AUTH, timeout=30).json()["eval_id"]
+    record = httpx.get(f"{url}/eval/{eval_id}", params={"timeout": 120}, headers=AUTH, timeout=150).json()
+    assert record["status"] == "done", record
+    examples = record["result"]["examples"]
+    assert record["result"]["num_examples"] == 6 and len(examples) == 6
+    assert len({e["prompt_id"] for e in examples}) == 6
+    for example in examples[:3]:
+        alone = httpx.post(vllm_server.url + "/v1/completions", timeout=60, json={
+            "model": vllm_server.served_model_name, "prompt": example["prompt"], "max_tokens": 4, "temperature": 0})
+        assert alone.json()["choices"][0]["text"] == example["completion"], (example, alone.json())
