@@ -14,12 +14,15 @@ running event loop.
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import orjson
+
+from shared.http_into import ResponseError, get_into
 
 
 class TransportError(Exception):
@@ -64,7 +67,10 @@ class HttpClient:
                       headers: dict[str, str] | None = None, timeout: float | None = None,
                       into: Callable[[int], Any] | None = None) -> Reply:
         """`into(n)`: for a 200 answer of known length n, a writable buffer of n bytes the body
-        is read straight into (one copy from the socket's reads, no joining of pieces)."""
+        is received into: by the event loop itself for a plain http:// GET (shared/http_into.py:
+        the kernel's copy is the only one), else from aiohttp's reads (no joining of pieces)."""
+        if into is not None and method == "GET" and url.startswith("http://"):
+            return await self._get_into(url, params, headers, timeout, into)
         session = self._get_session()
         kwargs: dict[str, Any] = {"headers": dict(headers or {})}
         if json is not None:
@@ -88,6 +94,23 @@ class HttpClient:
             raise TransportError(f"ConnectError: {exc}") from exc
         except aiohttp.ClientError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+
+    async def _get_into(self, url: str, params: dict[str, Any] | None, headers: dict[str, str] | None,
+                        timeout: float | None, into: Callable[[int], Any]) -> Reply:
+        """A GET whose 200 body the loop receives into `into(length)` (shared/http_into.py): the
+        batch hand-off's path, one copy instead of aiohttp's several."""
+        total = timeout or self.timeout
+        try:
+            status, body, content_type = await get_into(
+                url, params={k: str(v) for k, v in (params or {}).items()}, headers={**self.headers, **(headers or {})},
+                timeout=total, connect_timeout=min(total, self.connect_timeout), into=into)
+        except TimeoutError as exc:
+            raise TransportError(f"TimeoutError: no answer from {url} within {total}s") from exc
+        except (OSError, ResponseError) as exc:
+            # The names aiohttp's errors give (the retry loop's log lines read the same either way).
+            kind = "ConnectError" if isinstance(exc, (ConnectionRefusedError, socket.gaierror)) else type(exc).__name__
+            raise TransportError(f"{kind}: {exc}") from exc
+        return Reply(status, body, content_type)
 
     async def get(self, url: str, *, timeout: float | None = None) -> Reply:
         return await self.request("GET", url, timeout=timeout)

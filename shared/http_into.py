@@ -1,0 +1,176 @@
+"""A GET whose 200 body the event loop receives straight into the caller's buffer.
+
+What the batch hand-off needs from HTTP (`SamplerClient.get_batch_body`): gigabytes in one
+body, which must end up in one buffer. aiohttp hands a body over as bytes objects (the
+loop's read buffer copied into bytes, pieces joined, then copied into the caller's buffer):
+receiving 1 GiB from the sampler cost the client ~1.3 s of CPU on the 2-core machine while
+the sampler spent ~0.2 s sending it, so the receiving side was the hand-off's bottleneck.
+Here the protocol is an `asyncio.BufferedProtocol` whose buffer, once the head says 200
+and gives a Content-Length, is the body's own (`into(length)`): the loop `recv_into`s it,
+and the kernel's copy out of the socket is the only one.
+
+Scope, kept small on purpose: plain `http://` (HttpClient sends https through aiohttp), one
+connection per request (`Connection: close`; a long-poll is connected before its batch is
+sealed, so the connection costs the hand-off no latency), the head parsed by httptools
+(uvicorn's parser, a dependency already), and every framing HTTP/1.1 allows for the bodies
+that are not the fast path (errors, chunked, until-close), which are small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import httptools
+
+# What one read takes while the head (and any body that is not received in place) is parsed.
+_HEAD_READ = 1 << 16
+
+
+class ResponseError(Exception):
+    """The connection ended, or the server answered something that is not HTTP, before the
+    response was complete (HttpClient turns it into its TransportError)."""
+
+
+class _Exchange(asyncio.BufferedProtocol):
+    """One request's response: parsed by httptools until its head is complete; then a 200 of
+    known length is received in place (`view`), anything else goes on through the parser."""
+
+    def __init__(self, into: Callable[[int], Any] | None, url: str):
+        self.into, self.url = into, url
+        self.parser = httptools.HttpResponseParser(self)
+        self.scratch = bytearray(_HEAD_READ)
+        self.headers: dict[str, str] = {}
+        self.head_done = False
+        self.view: memoryview | None = None  # the body's buffer once it is received in place
+        self.body: Any = None
+        self.got = 0
+        self.pieces: list[bytes] = []
+        self.done: asyncio.Future[tuple[int, Any, str | None]] = asyncio.get_running_loop().create_future()
+
+    # --- asyncio -------------------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> Any:
+        if self.view is not None and self.got < len(self.view):
+            return self.view[self.got:]
+        return self.scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.done.done():
+            return
+        if self.view is not None:
+            self.got += nbytes
+            if self.got == len(self.view):
+                self._finish(self.body)
+            return
+        try:
+            self.parser.feed_data(memoryview(self.scratch)[:nbytes])
+        except httptools.HttpParserError as exc:
+            self._fail(ResponseError(f"{self.url} answered something that is not HTTP/1.1: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - `into` (MemoryError) or a callback: the caller raises it
+            self._fail(exc)
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes; connection_lost decides whether the body was whole
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done.done():
+            return
+        if self.head_done and self.view is None and self._until_close():
+            self._finish(b"".join(self.pieces))  # a body framed by the connection's end
+        elif self.view is not None:
+            self._fail(ResponseError(f"{self.url} closed the body after {self.got} of {len(self.view)} bytes"))
+        else:
+            why = f": {exc}" if exc else ""
+            self._fail(ResponseError(f"{self.url} closed the connection before a whole answer{why}"))
+
+    # --- httptools callbacks -----------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+        length = self.headers.get("content-length")
+        status = self.parser.get_status_code()
+        if self.into is not None and status == 200 and length is not None and not self._chunked():
+            self.body = self.into(int(length))
+            self.view = memoryview(self.body).cast("B")
+            if not len(self.view):
+                self._finish(self.body)
+
+    def on_body(self, data: bytes) -> None:
+        if self.view is None:
+            self.pieces.append(data)
+            return
+        # Body bytes that came in the same read as the head; the rest arrives in place.
+        end = min(self.got + len(data), len(self.view))
+        self.view[self.got:end] = data[:end - self.got]
+        self.got = end
+        if self.got == len(self.view):
+            self._finish(self.body)
+
+    def on_message_complete(self) -> None:
+        if self.view is None:
+            self._finish(b"".join(self.pieces))
+
+    # --- the outcome ---------------------------------------------------------------------
+
+    def _chunked(self) -> bool:
+        return "chunked" in self.headers.get("transfer-encoding", "").lower()
+
+    def _until_close(self) -> bool:
+        return "content-length" not in self.headers and not self._chunked()
+
+    def _finish(self, body: Any) -> None:
+        if not self.done.done():
+            self.done.set_result((self.parser.get_status_code(), body, self.headers.get("content-type")))
+
+    def _fail(self, exc: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+def request_bytes(url: str, params: dict[str, Any] | None, headers: dict[str, str]) -> bytes:
+    """The GET request's bytes (`Connection: close`: one request per connection)."""
+    parts = urlsplit(url)
+    target = parts.path or "/"
+    query = "&".join(q for q in (parts.query, urlencode(params or {})) if q)
+    if query:
+        target += "?" + query
+    lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close", "Accept-Encoding: identity"]
+    lines += [f"{name}: {value}" for name, value in headers.items()
+              if name.lower() not in ("host", "connection", "accept-encoding", "content-length")]
+    for line in lines:
+        if "\r" in line or "\n" in line:
+            raise ValueError(f"a request header holds a line break: {line!r}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+async def get_into(url: str, *, params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                   timeout: float, connect_timeout: float,
+                   into: Callable[[int], Any] | None) -> tuple[int, Any, str | None]:
+    """(status, body, content type) of a GET of `url` (http:// only). A 200 with a
+    Content-Length is received into `into(length)`; other bodies are bytes. TimeoutError past
+    `timeout` seconds in all; OSError when the connection fails; ResponseError when it ends
+    before the answer does."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"get_into takes http:// URLs, not {url!r}")
+    data = request_bytes(url, params, headers or {})
+    loop = asyncio.get_running_loop()
+    exchange = _Exchange(into, url)
+    async with asyncio.timeout(timeout):
+        async with asyncio.timeout(connect_timeout):
+            transport, _ = await loop.create_connection(lambda: exchange, parts.hostname, parts.port or 80)
+        try:
+            transport.write(data)
+            return await exchange.done
+        finally:
+            # An answer received whole leaves nothing unread; any other end drops the connection.
+            if exchange.done.done() and not exchange.done.cancelled() and exchange.done.exception() is None:
+                transport.close()
+            else:
+                transport.abort()
