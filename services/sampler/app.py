@@ -39,6 +39,7 @@ from services.sampler.rollouts.multiturn.stats import EnvStats
 from services.sampler.rollouts.multiturn.workers import Workers
 from services.sampler.storage.notify import Notifier
 from services.sampler.api.request_metrics import HttpMetricsMiddleware
+from services.sampler.observability import gc_tuning
 from services.sampler.observability.metrics import SamplerMetrics
 from services.sampler.observability.recent import RecentRollouts
 from services.sampler.observability.throughput import ThroughputHistory
@@ -201,7 +202,8 @@ def _rollouts(settings: SamplerSettings, env: Environment, pool: InferencePool, 
     sessions = Sessions()
     vf_link = VerifiersLink(base_url=settings.self_url, sessions=sessions, tokenizer=settings.vf_tokenizer,
                             renderer=settings.vf_renderer, request_timeout=settings.request_timeout,
-                            api_token=settings.api_token, in_process=settings.vf_client == "in_process")
+                            api_token=settings.api_token, in_process=settings.vf_client == "in_process",
+                            settle=gc_tuning.settle_episodes)
 
     def make_rollouts(environment: Environment) -> Rollouts:
         made.rollouts.append(Rollouts(environment, pool, prompts_per_step=settings.prompts_per_step,

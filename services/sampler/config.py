@@ -200,9 +200,11 @@ class SamplerSettings(TrackingSettings, GuardedSettings):
         default="tandem", description="renderer of verifiers turns: tandem (keeps sampled tokens verbatim), a "
                                       "renderers name (auto, qwen3, ...) or custom:<module.Class>")
     vf_client: Literal["in_process", "http"] = Field(
-        default="in_process", description="how verifiers' training client reaches the inference pool: in_process "
-                                          "(calls the generate route's code) or http (POSTs this sampler's "
-                                          "/inference/v1/generate, as a client outside it would)")
+        default="in_process", description="how a verifiers turn's calls inside the sampler are made: in_process "
+                                          "(the tandem-chat harness calls the interception server's handler, the "
+                                          "training client the generate route's code) or http (the harness POSTs "
+                                          "to the interception server, the training client to this sampler's "
+                                          "/inference/v1/generate, as clients outside it would)")
 
     @property
     def self_url(self) -> str:

@@ -374,12 +374,15 @@ def test_gc_tuning_only_in_the_process_that_enables_it():
 
     from services.sampler.observability import gc_tuning
 
-    frozen = gc.get_freeze_count()
+    frozen, threshold = gc.get_freeze_count(), gc.get_threshold()
     gc_tuning.settle()  # not enabled here (an app in a test process): nothing happens
-    assert gc.get_freeze_count() == frozen
+    gc_tuning.settle_episodes()
+    assert (gc.get_freeze_count(), gc.get_threshold()) == (frozen, threshold)
     code = ("import gc; from services.sampler.observability import gc_tuning; gc_tuning.enable(); "
             "assert gc.get_freeze_count() > 1000, gc.get_freeze_count(); "
-            "assert gc.get_threshold()[0] == gc_tuning.GEN0_THRESHOLD")
+            "assert gc.get_threshold()[0] == gc_tuning.GEN0_THRESHOLD; "
+            "gc_tuning.settle_episodes(); "
+            "assert gc.get_threshold()[0] == gc_tuning.EPISODES_GEN0_THRESHOLD")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -1,5 +1,6 @@
-"""verifiers' training client in-process (services/sampler/rollouts/vf/local_client.py): the same
-samples, token for token, and the same errors as over the sampler's HTTP route; the
+"""verifiers' training client in-process (services/sampler/rollouts/vf/local_client.py), and the
+harness's calls to the interception server (vf/local_interception.py): the same samples, token
+for token, as over HTTP; the same errors as over the sampler's HTTP route; the
 interception server builds it only for its own config; the model contexts a verifiers
 environment reuses are rebuilt when what they hold changes."""
 
@@ -23,7 +24,7 @@ from services.sampler.fleet.inference_pool import OK, InferencePool
 from services.sampler.rollouts.multiturn.stats import EnvStats
 from services.sampler.rollouts.multiturn.workers import Workers
 from services.sampler.rollouts.rollout import Rollouts
-from services.sampler.rollouts.vf import local_client
+from services.sampler.rollouts.vf import harness, local_client, local_interception
 from services.sampler.rollouts.vf.environment import VerifiersLink
 from services.sampler.rollouts.vf.sessions import Sessions
 from shared.http_client import HttpClient
@@ -54,15 +55,34 @@ def by_prompt(samples: list[Sample]) -> dict[str, list[tuple]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-async def test_in_process_and_http_clients_give_the_same_multi_turn_samples(make_sampler, namespace, cpu_server):
+async def test_in_process_and_http_clients_give_the_same_multi_turn_samples(make_sampler, namespace, cpu_server,
+                                                                             monkeypatch):
+    # Which way the harness reached the interception server: each route's real post, counted.
+    posts = {"in_process": 0, "http": 0}
+
+    def counted(route_class, name):
+        post = route_class.post
+
+        async def counting(self, url, body):
+            posts[name] += 1
+            return await post(self, url, body)
+
+        monkeypatch.setattr(route_class, "post", counting)
+
+    counted(local_interception.LocalRoute, "in_process")
+    counted(harness._HttpRoute, "http")
     endpoints_before = set(local_client._endpoints)
     runs = {}
     for client in ("in_process", "http"):
+        before = dict(posts)
         sampler = make_sampler(env="verifiers:tandem-vf-dialogue", env_args='{"turns": 3}', vf_client=client,
                                namespace=f"{namespace}-{client}", inference_urls=[cpu_server.base_url.removesuffix("/v1")],
                                prompts_per_step=2, num_generations=2, max_tokens=4, temperature=0.0, drain_deadline=0)
         runs[client] = await first_batch(sampler)
         sampler.stop()
+        # Every model call of the run went the client's way (3 turns for each of 2 x 2 trajectories, at least).
+        other = "http" if client == "in_process" else "in_process"
+        assert posts[client] - before[client] >= 12 and posts[other] == before[other], posts
         if client == "in_process":
             # It ran through an in-process endpoint of this process (the sampler is a thread here).
             assert set(local_client._endpoints) - endpoints_before

@@ -6,7 +6,8 @@ the env's own `run()` drives its agents (one agent for a plain taskset; multi-tu
 `interaction()`), the harness sends each model call to verifiers' interception server, whose
 training client renders it with the Tandem renderer and sends it to the sampler's own
 `POST /inference/v1/generate` (routes/generate.py), which forwards it through the inference
-pool. The trace ids verifiers mints are opened as sessions (vf/sessions.py) before the first
+pool. Both calls stay in-process unless `vf_client = http` (vf/local_interception.py,
+vf/local_client.py). The trace ids verifiers mints are opened as sessions (vf/sessions.py) before the first
 call, so each call is gated at the trajectory's version and recorded for its sample.
 
 Choices verifiers leaves open, made for a trainer on a couple of GPUs (docs/environments.md):
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,8 +68,12 @@ class VerifiersLink:
     renderer: str = "tandem"      # "tandem", a `renderers` name ("auto", "qwen3", ...), or "custom:<import path>"
     request_timeout: float = 600.0
     # True: verifiers' training client calls the generate route's code in-process
-    # (vf/local_client.py); False: over HTTP, as a client outside the sampler would.
+    # (vf/local_client.py), and the harness its interception server's handlers
+    # (vf/local_interception.py); False: both over HTTP, as clients outside the sampler would.
     in_process: bool = True
+    # Called once, when an environment's first episode has ended (app.py: the sampler
+    # process's garbage-collector settings for verifiers episodes, observability/gc_tuning.py).
+    settle: Callable[[], None] | None = None
 
 
 def renderer_config(name: str) -> dict[str, Any]:
@@ -122,6 +128,7 @@ class VerifiersEnvironment(Environment):
         # model contexts built for it (_context).
         self._endpoints: dict[int, Endpoint] = {}
         self._contexts: dict[tuple, Any] = {}
+        self._settled = False
 
     def _load(self, split: str, env: Any) -> list[Example]:
         # The first `limit` tasks, in the taskset's own (seeded) order: a restarted sampler
@@ -189,6 +196,12 @@ class VerifiersEnvironment(Environment):
         counts.turns += trace.num_turns
         counts.tool_calls += len(trace.tool_messages)
         counts.forks += forks
+        if not self._settled:
+            # The first episode has loaded what episodes load lazily (the tokenizer and
+            # renderer, verifiers' modules, the interception servers): out of the collector's way.
+            self._settled = True
+            if link.settle is not None:
+                link.settle()
         return completion, scored
 
     async def _context(self, rollouts: Rollouts, link: VerifiersLink, sampling: dict[str, Any]) -> Any:
@@ -253,10 +266,15 @@ class VerifiersEnvironment(Environment):
     async def _hold(env: Any, stop: asyncio.Event, ready: asyncio.Future[None]) -> None:
         # One task enters and leaves `serving()`: its servers' cancel scopes belong to the task
         # that opened them.
+        from services.sampler.rollouts.vf import local_interception
+
         try:
             async with env.serving():
-                ready.set_result(None)
-                await stop.wait()
+                # The interception `serving()` holds (verifiers 0.4.0 keeps it on the env):
+                # the harness calls its servers in-process (vf/local_interception.py).
+                with local_interception.held(getattr(env, "_interception", None)):
+                    ready.set_result(None)
+                    await stop.wait()
         except BaseException as exc:
             if not ready.done():
                 ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError("stopped"))

@@ -10,6 +10,11 @@ answer makes on the task's MCP tool servers, send the results back, until an ans
 no tool call. Every model call still goes through the interception endpoint, which is what
 verifiers asks of a harness, so traces, limits, `@stop`s and request hooks all apply.
 
+When the rollout's interception server is one the sampler holds and its model calls stay
+in-process (`vf_client = in_process`), the calls to that server stay in-process too
+(vf/local_interception.py: its route handlers, called without HTTP); otherwise they are
+HTTP requests to the endpoint, as from a program outside the sampler.
+
 It asks for non-streamed completions: the interception server generates a training turn
 whole either way, so streaming would only add framing. Registered with verifiers under the id
 `tandem-chat` (the top-level `tandem_chat` package, since verifiers imports harnesses by id).
@@ -21,9 +26,10 @@ import asyncio
 import json
 import weakref
 from contextlib import AsyncExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import aiohttp
+from pydantic_core import from_json, to_json
 from verifiers.v1.clients import ModelContext
 from verifiers.v1.configs.harness import HarnessConfig
 from verifiers.v1.dialects.chat import message_to_wire
@@ -33,6 +39,8 @@ from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 from verifiers.v1.runtimes import ProgramResult, Runtime
 from verifiers.v1.task import TaskData
 from verifiers.v1.trace import Trace
+
+from services.sampler.rollouts.vf import local_interception
 
 HARNESS_ID = "tandem-chat"
 
@@ -91,20 +99,20 @@ class TandemChatHarness(Harness[TandemChatConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt:
             messages += [message_to_wire(m) for m in prompt]
-        headers = {"Authorization": f"Bearer {secret}"}
+        server = (local_interception.route(endpoint, secret, self.config.request_timeout)
+                  or _HttpRoute(self._client(), secret))
         async with AsyncExitStack() as stack:
             tools = await self._tool_schemas(mcp_urls)
             mcp = _LazyTools(mcp_urls, self.config.tool_timeout, stack)
-            http = self._client()
             try:
                 while True:
-                    message = await self._complete(http, endpoint, headers, ctx.model, messages, tools)
+                    message = await self._complete(server, endpoint, ctx.model, messages, tools)
                     messages.append(message)
                     calls = message.get("tool_calls") or []
                     if not calls:
                         break
                     for call in calls:
-                        messages.append(await self._tool_message(http, call, mcp, headers, tool_interception_url))
+                        messages.append(await self._tool_message(server, call, mcp, tool_interception_url))
             except _Stopped:
                 pass
             except _ModelCallFailed as exc:
@@ -127,26 +135,26 @@ class TandemChatHarness(Harness[TandemChatConfig]):
             cache[key] = tools
         return cache[key]
 
-    async def _complete(self, http: aiohttp.ClientSession, endpoint: str, headers: dict[str, str], model: str,
-                        messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
+    async def _complete(self, server: _Route, endpoint: str, model: str, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]]) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "messages": messages}
         if tools:
             body["tools"] = tools
-        async with http.post(f"{endpoint.rstrip('/')}/chat/completions", json=body, headers=headers) as response:
-            status, text = response.status, await response.text()
+        status, raw = await server.post(f"{endpoint.rstrip('/')}/chat/completions", to_json(body))
+        if status < 400:
+            message = from_json(raw)["choices"][0]["message"]
+            return {k: v for k, v in message.items() if v is not None}
+        text = raw.decode("utf-8", "replace")
         if status == 400 and "rollout stopped" in text:
             raise _Stopped()
         if status in (400, 413) and any(m in text.casefold() for m in CONTEXT_OVERFLOW_MARKERS):
             # The context is full: the conversation ends here, as a budget, not a failure (the
             # sample's finish_reason says "length", vf/traces.py).
             raise _Stopped()
-        if status >= 400:
-            raise _ModelCallFailed(f"model call answered {status}: {text[:500]}")
-        message = json.loads(text)["choices"][0]["message"]
-        return {k: v for k, v in message.items() if v is not None}
+        raise _ModelCallFailed(f"model call answered {status}: {text[:500]}")
 
-    async def _tool_message(self, http: aiohttp.ClientSession, call: dict[str, Any], mcp: _LazyTools,
-                            headers: dict[str, str], gate_url: str | None) -> dict[str, Any]:
+    async def _tool_message(self, server: _Route, call: dict[str, Any], mcp: _LazyTools,
+                            gate_url: str | None) -> dict[str, Any]:
         """The `tool` message answering `call`: its result, or an error the model can act on."""
         name = call["function"]["name"]
         reply = {"role": "tool", "tool_call_id": call.get("id", ""), "name": name}
@@ -158,9 +166,11 @@ class TandemChatHarness(Harness[TandemChatConfig]):
             return {**reply, "content": "error: the arguments must be a JSON object"}
         if gate_url:
             # The rollout's tool gate: a request hook may deny the call and give its result.
-            async with http.post(gate_url, headers=headers, raise_for_status=True,
-                                 json={"tool_call_id": call.get("id"), "name": name, "arguments": arguments}) as decision:
-                verdict = await decision.json()
+            status, raw = await server.post(gate_url, to_json({"tool_call_id": call.get("id"), "name": name,
+                                                             "arguments": arguments}))
+            if status >= 400:
+                raise RuntimeError(f"the tool gate answered {status}: {raw[:500].decode('utf-8', 'replace')}")
+            verdict = from_json(raw)
             if verdict["action"] == "stop":
                 raise _Stopped()
             if verdict["action"] == "deny":
@@ -178,6 +188,23 @@ class TandemChatHarness(Harness[TandemChatConfig]):
 
 class _ModelCallFailed(Exception):
     pass
+
+
+class _Route(Protocol):
+    async def post(self, url: str, body: bytes) -> tuple[int, bytes]: ...
+
+
+class _HttpRoute:
+    """A rollout's calls to its interception server over HTTP (the endpoint is not one the
+    sampler holds, or `vf_client = http`)."""
+
+    def __init__(self, http: aiohttp.ClientSession, secret: str):
+        self._http = http
+        self._headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+
+    async def post(self, url: str, body: bytes) -> tuple[int, bytes]:
+        async with self._http.post(url, data=body, headers=self._headers) as response:
+            return response.status, await response.read()
 
 
 TOOL_LISTS_KEPT = 64
