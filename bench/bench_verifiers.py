@@ -21,14 +21,15 @@ turn fails in vf/traces.py and is retried, which would mix retries into the numb
   gives the cost of one more turn.
 
 A verifiers model turn, all inside the sampler process: the tandem-chat harness
-(services/sampler/rollouts/vf/harness.py: one aiohttp session per event loop) POSTs /chat/completions
-to verifiers' interception server (aiohttp), which records the turn in the trace graph and
+(services/sampler/rollouts/vf/harness.py) hands its /chat/completions to verifiers' interception
+server (an aiohttp app; with vf_client = in_process, the default, its route handler is called
+in-process, vf/local_interception.py, else POSTed to), which records the turn in the trace graph and
 has its TrainClient render the messages with services/sampler/rollouts/vf/renderer.py in a worker
 thread and hand the token ids to the sampler's generate code: in-process by default
 (vf_client = in_process, vf/local_client.py), else through the openai SDK's httpx client to
 the sampler's own POST /inference/v1/generate (FastAPI); that code forwards them to the
-stand-in through the inference pool. Two HTTP round trips per turn (one with both ends in the
-sampler) against one (the pool's request to the server) for a native turn; and per episode,
+stand-in through the inference pool. In-process, one HTTP round trip per turn, as for a native
+turn (the pool's request to the server); over HTTP, three; and per episode,
 verifiers' runtime (`subprocess`: a scratch directory per rollout), trace and scoring.
 When bench/results/verifiers.json exists, the new results are also set against it
 (bench/verifiers_compare.py: CPU per turn before and now, and issue 43's 5 ms target).
@@ -92,7 +93,7 @@ CONFIGS: list[dict[str, Any]] = [
      "env_args": {"size": 16, "max_turns": 1}, "turns": 1, "window_s": 1.5,
      "what": "EchoDialogue max_turns 1: native multi-turn path, one turn (n = 1, chat template)"},
     {"label": "vf_parity", "path": "verifiers", "env": "verifiers:tandem-vf-parity", "env_args": {}, "turns": 1,
-     "window_s": 6.0, "what": "verifiers:tandem-vf-parity: a plain taskset, one model call"},
+     "window_s": 6.0, "profile": True, "what": "verifiers:tandem-vf-parity: a plain taskset, one model call"},
     {"label": "native_echo3", "path": "native", "env": "tests.support.envs:EchoDialogue",
      "env_args": {"size": 16, "max_turns": 3}, "turns": 3, "window_s": 1.5, "profile": True,
      "what": "EchoDialogue max_turns 3: native multi-turn path"},
@@ -215,8 +216,9 @@ _CATEGORIES = (
      ("renderers/client.py", "openai/", "TrainClient.get_response")),
     ("interception server: aiohttp handler, checks, trace graph (handle_request, PendingTurn.commit)",
      ("verifiers/v1/interception/",)),
-    ("harness: its POST /chat/completions to the interception server (httpx client, JSON)",
-     ("services/sampler/rollouts/vf/harness.py",)),
+    ("harness: its calls to the interception server (in-process: vf/local_interception.py; over HTTP: aiohttp "
+     "client; JSON)",
+     ("services/sampler/rollouts/vf/harness.py", "services/sampler/rollouts/vf/local_interception.py")),
     ("verifiers episode machinery (Env.run_episode, Rollout, Agent, Interaction, Trace, scoring)", ("verifiers/v1/",)),
     ("httpx/httpcore/anyio outside the above", ("httpx/", "httpcore/", "anyio/")),
     ("aiohttp callbacks outside the request coroutines (client reads, body writes; verifiers: the interception "
@@ -627,8 +629,9 @@ def _where(r: dict[str, Any]) -> list[str]:
         "",
         "Where a verifiers turn's CPU goes (vf_dialogue3, py-spy on the main thread, below):",
         "",
-        f"* **The HTTP hops inside the sampler: {http:.0%}** of the main thread: the harness's POST to the "
-        f"interception server ({share('harness: its POST'):.0%})"
+        f"* **The calls between the parts of the sampler: {http:.0%}** of the main thread: the harness's calls to "
+        f"the interception server ({share('harness: its calls'):.0%}; in-process with vf_client = in_process, "
+        "vf/local_interception.py)"
         + (f" and the httpx clients it builds ({share('harness: building httpx clients'):.0%}: an SSL context "
            "each, and new TCP connections; verifiers builds a harness object per episode and relaunches it for "
            "every user turn, so a client cached on the harness lives one episode)"
@@ -639,17 +642,22 @@ def _where(r: dict[str, Any]) -> list[str]:
         f"{in_process:.0%} of it); "
         f"the sampler's HTTP server stack ({server:.0%}); "
         f"the interception server's handler ({share('interception server:'):.0%}) and aiohttp's callbacks "
-        f"({share('aiohttp callbacks'):.0%}); the pool's request to the stand-in ({share('inference pool'):.0%}), the "
-        "only hop a native turn has.",
+        f"({share('aiohttp callbacks'):.0%}: with every call in-process, the pool's connections to the stand-in); "
+        f"the pool's request to the stand-in ({share('inference pool'):.0%}), the only hop a native turn has; "
+        f"the event loop ({share('event loop'):.0%}).",
         f"* **verifiers' trace graph: {share('pydantic model_construct'):.0%}** in pydantic's "
         "`FieldInfo.get_default`, which calls `inspect.signature` on a default_factory at every "
         "`model_construct` (PendingTurn.commit -> graph._commit_turn; answered once per builtin factory since "
         "services/sampler/rollouts/vf/pydantic_defaults.py); "
         f"the rest of verifiers' episode machinery {share('verifiers episode'):.0%}, the subprocess runtime's "
-        f"scratch directory per rollout {share('verifiers subprocess runtime'):.0%} (in worker threads, below).",
+        f"scratch directory per rollout {share('verifiers subprocess runtime'):.0%} (its mkdir on the event loop, "
+        "its rmtree in worker threads, below: what they cost depends on the filesystem and how busy it is; on this "
+        "machine's ext4 a mkdir took from 30 us to 1 ms of CPU as other work's disk traffic changed).",
         f"* **Garbage collection: {share('garbage collection'):.0%}**"
-        + (f" (native_echo3: {gc_native:.0%}): not verifiers' own; the collector runs more often the more objects "
-           "a turn allocates." if gc_native is not None else "."),
+        + (f" (native_echo3: {gc_native:.0%})" if gc_native is not None else "")
+        + ": not verifiers' own; the collector runs more often the more objects a turn allocates (once an "
+        "environment's first episode has ended, what it loaded is frozen and generation 0 waits for 50,000 "
+        "allocations: services/sampler/observability/gc_tuning.py).",
         f"* Worker threads: {workers:.0%} of the sampler's CPU (the TrainClient's rendering, "
         "services/sampler/rollouts/vf/renderer.py with the tokenizer, and verifiers' subprocess runtime removing each "
         "rollout's scratch directory).",

@@ -1,6 +1,8 @@
 """`bench verifiers` against the results it replaces: each config's sampler CPU per turn
 before (the bench/results/verifiers.json in place when the run started) and now, and whether
-a verifiers config meets issue 43's target of at most 5 ms of sampler CPU per turn.
+a verifiers config meets issue 43's target of at most 5 ms of sampler CPU per turn; and the
+verifiers configs against fixed milestones of that work (MILESTONES), which stay in the
+report when later runs replace the previous results.
 
 The native configs' code did not change between two runs unless their own did; their ratio
 says how much the machine (its load, other work on its 2 CPUs) moved the numbers between the
@@ -14,6 +16,15 @@ from pathlib import Path
 from typing import Any
 
 TARGET_US_PER_TURN = 5000.0  # issue 43, point 5
+# Fixed points of issue 43 point 5's work, shown with every run (the previous results move
+# with each run): sampler CPU us per turn, the medians bench/results/verifiers.md reported.
+MILESTONES: tuple[tuple[str, str, dict[str, float]], ...] = (
+    ("9c4ea61", "before issue 43 point 5's work (1-minute load 0.79 before the run, 1.1 after)",
+     {"vf_parity": 17046.0, "vf_dialogue1": 13838.2, "vf_dialogue3": 15630.9}),
+    ("41393ad", "with the in-process TrainClient, before the harness's in-process calls to the interception server "
+                "and the episodes' collector settings (load 1.76 before, 1.6 after)",
+     {"vf_parity": 5602.8, "vf_dialogue1": 4727.9, "vf_dialogue3": 3046.9}),
+)
 
 
 def previous(results_dir: Path) -> dict[str, Any] | None:
@@ -36,10 +47,36 @@ def _range(x: dict[str, float]) -> str:
     return f"{x['median']:g} ({x['min']:g}-{x['max']:g})"
 
 
+def _met(label: str, us: float) -> str:
+    return "native" if label.startswith("native") else "**yes**" if us <= TARGET_US_PER_TURN else "**no**"
+
+
+def milestones(r: dict[str, Any]) -> list[str]:
+    """This run's verifiers configs against MILESTONES."""
+    now = r["summary"]
+    labels = [label for label in now if any(label in m[2] for m in MILESTONES)]
+    if not labels:
+        return []
+    lines = ["", "## Against issue 43 point 5's milestones", "",
+             "Sampler CPU us per turn, median of the windows: "
+             + "; ".join(f"{commit}: {what}" for commit, what, _ in MILESTONES)
+             + f"; now: this run (above). Target: at most {TARGET_US_PER_TURN / 1e3:g} ms per turn.", "",
+             "| config | " + " | ".join(commit for commit, _, _ in MILESTONES) + " | now | now / "
+             + MILESTONES[-1][0] + " | <= 5 ms per turn |",
+             "|---|" + "---|" * (len(MILESTONES) + 3)]
+    for label in labels:
+        us = now[label]["sampler_cpu_us_per_turn"]["median"]
+        old = [m[2].get(label) for m in MILESTONES]
+        cells = [f"{x:g}" if x is not None else "-" for x in old]
+        ratio = f"{us / old[-1]:.2f}" if old[-1] else "-"
+        lines.append(f"| {label} | {' | '.join(cells)} | {us:g} | {ratio} | {_met(label, us)} |")
+    return lines
+
+
 def markdown(r: dict[str, Any]) -> list[str]:
     before = r.get("previous")
     if not before:
-        return []
+        return milestones(r)
     now = r["summary"]
     lines = [
         "",
@@ -60,9 +97,8 @@ def markdown(r: dict[str, Any]) -> list[str]:
         if old is None:
             continue
         ratio = x["sampler_cpu_us_per_turn"]["median"] / old["median"]
-        met = ("native" if label.startswith("native")
-               else "**yes**" if x["sampler_cpu_us_per_turn"]["median"] <= TARGET_US_PER_TURN else "**no**")
+        met = _met(label, x["sampler_cpu_us_per_turn"]["median"])
         busy = f"{before['machine_busy'].get(label, 0):.0%} -> {x['machine_busy']['median']:.0%}"
         lines.append(f"| {label} | {_range(old)} | {_range(x['sampler_cpu_us_per_turn'])} | {ratio:.2f} | {busy} "
                      f"| {met} |")
-    return lines
+    return lines + milestones(r)
