@@ -42,3 +42,26 @@ async def test_a_cancelled_wait_is_never_swallowed():
             task.cancel()
             await asyncio.wait([task], timeout=1.0)
     assert survivors == 0, f"{survivors} of 50 cancelled waits kept running"
+
+
+def test_a_running_replica_follows_a_server_another_replica_adds_at_once(make_sampler, two_standins):
+    """The fleet re-reads membership when a "servers" message says it changed (and every
+    check_interval besides): with the interval at 60 s, a running replica still takes up a
+    server another replica added within a few seconds, from the message alone."""
+    import httpx
+
+    from tests.reliability.support import wait_for
+
+    first, second = two_standins
+    a = make_sampler(inference_urls=[first.url], server_check_interval=60)
+    b = make_sampler(inference_urls=[first.url], server_check_interval=60)
+    for replica in (a, b):
+        wait_for(lambda r=replica: httpx.get(r.url + "/status").json()["inference_servers"], 10, "a server in status")
+    added = httpx.post(a.url + "/inference_servers", json={"url": second.url}, timeout=30)
+    assert added.status_code == 200, added.text
+
+    def urls_of_b() -> set[str]:
+        return {s["url"] for s in httpx.get(b.url + "/status").json()["inference_servers"]}
+
+    wait_for(lambda: second.url in urls_of_b(), 5, "replica b to use the server replica a added",
+             detail=lambda: str(urls_of_b()))

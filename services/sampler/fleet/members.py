@@ -93,6 +93,8 @@ class Fleet:
         self._suspects: set[str] = set()
         self._joining: set[str] = set()  # urls a POST /inference_servers of ours is bringing up
         self._work: dict[str, asyncio.Task] = {}  # url -> its re-sync or leave in progress
+        self._members_seen: tuple[int, int] | None = None  # the notifier's "servers" generation last read
+        self._members_due = 0.0  # when membership is re-read anyway
         self.liveness = Liveness(pool, sync, store, timeout=check_timeout, paused_grace=paused_grace)
         pool.on_suspect = self.suspect
         sync.on_start = lambda server: self.suspect(server, "a weight sync started")  # is it alive?
@@ -241,8 +243,13 @@ class Fleet:
                 self._check_done.clear()  # taken first, as `changed`: a check ending from here on wakes the wait
                 if failed:
                     raise failed[0]  # the supervisor waits for Redis, then starts this loop again
-                await self._refresh()
                 now = time.monotonic()
+                # Membership changes are announced ("servers"): re-read only then, and once per
+                # check_interval besides (this loop wakes at every seal and publication).
+                seen = self.notifier.generation("servers")
+                if seen != self._members_seen or now >= self._members_due:
+                    await self._refresh()
+                    self._members_seen, self._members_due = seen, now + self.check_interval
                 for server in self.pool.servers:
                     url = server.url
                     if url in checking or not (url in self._suspects or now >= self._next_check.get(url, 0.0)):

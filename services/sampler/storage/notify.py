@@ -32,10 +32,19 @@ class Notifier:
         self.link = link
         self._event = asyncio.Event()
         self.connected = asyncio.Event()
+        # Messages seen per topic (the part of a message before ":"), and subscriptions made:
+        # a waiter that only cares about one topic re-reads Redis only when either moved.
+        self._topics: dict[str, int] = {}
+        self._subscriptions = 0
 
     def changed(self) -> asyncio.Event:
         """An event that is set at the next change after this call."""
         return self._event
+
+    def generation(self, topic: str) -> tuple[int, int]:
+        """A value that changes whenever a `topic` message arrives ("servers": membership) or
+        the subscription is made again (messages may have been missed meanwhile)."""
+        return self._subscriptions, self._topics.get(topic, 0)
 
     def notify(self) -> None:
         """Wake every waiter (they re-check the state themselves)."""
@@ -53,10 +62,14 @@ class Notifier:
                 await pubsub.subscribe(self.channel)
                 self.connected.set()
                 # Messages may have been missed while disconnected: everyone re-checks.
+                self._subscriptions += 1
                 self.notify()
                 delay = 0.1
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
+                        data = message.get("data")
+                        topic = (data.decode(errors="replace") if isinstance(data, bytes) else str(data)).split(":")[0]
+                        self._topics[topic] = self._topics.get(topic, 0) + 1
                         self.notify()
             except asyncio.CancelledError:
                 raise
