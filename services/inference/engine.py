@@ -70,6 +70,9 @@ class Engine:
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # token id -> its text alone, for logprob answers (routes/common.token_pieces): a token's
+        # text never changes, and every answer decodes the same few ids again.
+        self.pieces: dict[int, str] = {}
         self.model_path = Path(model_path)
         config = model.config
         self.vocab_size = int(config.vocab_size)

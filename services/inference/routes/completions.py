@@ -59,7 +59,7 @@ async def completions(req: P.CompletionRequest, request: Request, eng: EngineDep
     result = await unless_disconnected(request, run())
     if isinstance(result, Response):
         return result
-    piece = token_pieces(eng.tokenizer)
+    piece = token_pieces(eng.tokenizer, eng.pieces)
     choices, completion_tokens = [], 0
     for i, (ids, outs) in enumerate(zip(prompts, result)):
         for j, out in enumerate(outs):
@@ -92,7 +92,7 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, eng: 
     outs = await unless_disconnected(request, eng.generate(ids, sp, req.n, adapter))
     if isinstance(outs, Response):
         return outs
-    piece = token_pieces(eng.tokenizer)
+    piece = token_pieces(eng.tokenizer, eng.pieces)
     choices = [P.chat_choice(j, out, req, piece, parse_tools) for j, out in enumerate(outs)]
     response = P.chat_response(adapter.name if adapter else served.id, choices, outs, ids, req)
     if not req.stream:

@@ -32,7 +32,7 @@ async def generate(req: G.GenerateRequest, request: Request, eng: EngineDep, ser
         return outs
     request_id = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
     model = adapter.name if adapter else served.id
-    body = G.response(f"generate-tokens-{request_id}", model, outs, req, token_pieces(eng.tokenizer))
+    body = G.response(f"generate-tokens-{request_id}", model, outs, req, token_pieces(eng.tokenizer, eng.pieces))
     if not req.stream:
         return json_answer(body)
     decode = text_decoder(eng.tokenizer, req.sampling_params.skip_special_tokens)
