@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 from shared import codec
-from shared.chunks import FRAMES, BatchArrays, alloc, decode_frame, is_frames
+from shared.chunks import FRAMES, BatchArrays, decode_frame, is_frames
 from shared.http_client import HttpClient, Reply, TransportError
+from shared.recv_buffers import RecvBuffers
 from shared.token_guard import bearer_headers
 from shared.waiting import REPORT_EVERY, Retrying, describe_status
 from shared.wire import Batch, EvalAccepted, EvalResult, WeightsVersion
@@ -120,6 +121,9 @@ class SamplerClient:
             raise ValueError(f"encoding must be one of {sorted(_ENCODINGS)}, not {encoding!r}")
         self.accept = _ENCODINGS[encoding]
         self._frames = encoding == "frames"
+        # Bodies are received into buffers that come back here once the batch is dropped: a
+        # resident buffer instead of fresh memory each step (shared/recv_buffers.py).
+        self._buffers = RecvBuffers()
         # The timeout must outlast the server-side long-poll, or every poll would fail.
         self._http = HttpClient(max_connections=16, timeout=poll_timeout + 30.0, headers=bearer_headers(api_token))
 
@@ -131,6 +135,7 @@ class SamplerClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        self._buffers.clear()
 
     async def _request(self, method: str, path: str, what: str, *, answer_within: float | None = None,
                        **kwargs: Any) -> Reply:
@@ -253,7 +258,7 @@ class SamplerClient:
             # A poll the sampler does not answer is reported (`_watched`) ANSWER_GRACE_S after it
             # should have been answered: at most report_every + ANSWER_GRACE_S into a freeze.
             response = await self._request("GET", "/batch", what, params=params, headers=headers,
-                                           into=alloc if self._frames else None,
+                                           into=self._buffers.take if self._frames else None,
                                            answer_within=poll + min(ANSWER_GRACE_S, self.report_every))
             status = response.status_code
             if status == 200:
