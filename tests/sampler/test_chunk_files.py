@@ -19,8 +19,9 @@ import redis.asyncio as aioredis
 
 from services.sampler.storage.chunk_files import ChunkFiles, StoreFailed, describe_bytes
 from services.sampler.storage.keys import Keys
-from services.sampler.storage.packing import SealedBatch, pack, pieces, share_range
+from services.sampler.storage.packing import SealedBatch, pack, pack_writing, pieces, share_range
 from services.sampler.storage.store import Store
+from shared.chunks import samples_of_chunks
 from shared.client import SamplerClient
 
 
@@ -197,3 +198,47 @@ def test_a_build_whose_write_passes_the_bound_fails_once_then_backs_off_and_seal
     assert "(attempt 1): batch 0: " in message and " could not be stored in 1 s: 1 of " in message, message
     assert message.endswith("trying the same bytes again in 0.5s"), message
     assert answered - failures[0].created >= 0.5  # the back-off came before the attempt that sealed it
+
+
+def _samples(step: int, groups: int = 6, tokens: int = 300) -> list[dict]:
+    """The samples of `_batch` (token fields as numpy arrays, as a built batch has them)."""
+    return samples_of_chunks(_batch(step, groups, tokens).chunks)
+
+
+async def test_chunks_written_while_they_are_packed_are_the_sealed_files(redis, namespace, tmp_path):
+    """pack_writing hands each chunk to the writers as it is packed; the seal waits for those
+    writes (no second write) and seals the same bytes as a batch packed first and written after."""
+    keys = Keys(namespace)
+    files = ChunkFiles(tmp_path / "batches")
+    store = Store(redis, keys, files=files)
+    samples = _samples(0, groups=12)
+    batch = await pack_writing(0, samples, {"step": 0}, 8 << 10, files)
+    assert batch.early is not None and len(batch.early.futures) == len(batch.table) >= 3
+    assert await store.seal(0, batch) == 1
+    assert batch.early is None and Path(batch.files) == batch_dir(files)
+    assert [f.read_bytes() for f in sorted(Path(batch.files).iterdir(), key=lambda p: int(p.name))] == _bytes(batch.chunks)
+    reader = Store(redis, keys, files=files)
+    stored = await reader.get_batch(0)
+    assert _bytes(stored.chunks) == _bytes(pack(0, samples, {}, 8 << 10).chunks)
+
+
+def batch_dir(files: ChunkFiles) -> Path:
+    (only,) = files.builds()
+    return only[2]
+
+
+async def test_a_batch_that_fails_to_pack_leaves_no_files_and_a_root_that_cannot_be_made_fails_the_store(
+        redis, namespace, tmp_path):
+    files = ChunkFiles(tmp_path / "batches")
+    samples = _samples(0, groups=12)
+    samples[-1]["extra"] = object()  # the last chunk cannot be encoded: the earlier ones were being written
+    with pytest.raises(TypeError):
+        await pack_writing(0, samples, {}, 8 << 10, files)
+    await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.3)  # the writers stop, the directory goes
+    assert files.builds() == []
+    # A root that is a file: the early write cannot make its directory; the seal says so, once.
+    (tmp_path / "blocked").write_text("")
+    blocked = ChunkFiles(tmp_path / "blocked" / "batches")
+    batch = await pack_writing(1, _samples(1), {}, 8 << 10, blocked)
+    with pytest.raises(StoreFailed, match=r"^batch 1: .* could not be stored in .*blocked"):
+        await Store(redis, Keys(namespace), files=blocked).seal(1, batch)

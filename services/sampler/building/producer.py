@@ -336,13 +336,14 @@ class Producer:
                 payload = codec.with_arrays({"step": step, "samples": samples, "stats": stats})
                 # A large batch is packed in a worker thread: that takes seconds, during which
                 # the event loop must go on answering (other ranks, /health, the inference
-                # traffic of other builds); the copies release the GIL. A small one is packed
-                # here: handing it to a thread costs more CPU than it saves (bench throughput:
-                # ~4 us per completion at 1,024 samples of 16 tokens).
+                # traffic of other builds); the copies release the GIL, and each chunk's file is
+                # written as soon as it is packed. A small one is packed here: handing it to a
+                # thread costs more CPU than it saves (bench throughput: ~4 us per completion at
+                # 1,024 samples of 16 tokens).
                 samples = payload["samples"]
                 if packing.estimate_bytes(samples) < _THREAD_PACK_BYTES:
                     return payload, packing.pack(step, samples, stats, self.chunk_bytes)
-                return payload, await asyncio.to_thread(packing.pack, step, samples, stats, self.chunk_bytes)
+                return payload, await packing.pack_writing(step, samples, stats, self.chunk_bytes, self.store.files)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep producing; the error is surfaced in /status
@@ -414,7 +415,7 @@ class Producer:
                 await self.drill.point("sealed", step)
             self.notifier.notify()
             if outcome == 1:
-                await self._after_seal(step, payload)
+                await self._after_seal(step, payload, packed.nbytes)
             elif outcome == -1:
                 self.dropped += 1
                 log.info("batch %d was trimmed before it was sealed; dropped", step)
@@ -427,7 +428,7 @@ class Producer:
             except Exception:  # noqa: BLE001 - the lease expires by itself
                 pass
 
-    async def _after_seal(self, step: int, payload: dict[str, Any]) -> None:
+    async def _after_seal(self, step: int, payload: dict[str, Any], nbytes: int = 0) -> None:
         stats = payload["stats"]
         self.sealed_count += 1
         self.last_sealed = step if self.last_sealed is None else max(self.last_sealed, step)
@@ -439,6 +440,10 @@ class Producer:
                 raise
             self.link.report(exc)
             log.info("batch %d is sealed, but its stats did not reach the dashboard stream: Redis went away", step)
+        if nbytes >= _THREAD_PACK_BYTES:
+            # The hooks walk every sample on the event loop (~45 ms at 1 GiB), which would hold up
+            # the hand-off's first sends: they wait for it (at most a second), as the rollout log does.
+            await self.store.wait_served(step, 1.0)
         await self._run_hooks(payload)
         log.info("sealed batch %d: %d samples, reward %.3f, staleness mean %.2f, %.2fs",
                  step, stats["num_samples"], stats["reward_mean"], stats["staleness_mean"],

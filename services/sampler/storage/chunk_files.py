@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class EarlyWrite:
+    """A build's chunks handed to the writers one by one as they are packed (packing.pack_writing),
+    so that packing one chunk overlaps writing and fsyncing the ones before it; `ChunkFiles.write`
+    (the seal) then waits for those writes under its bound, as for chunks it submitted itself.
+    Submitted from the packing thread; `abandon` (packing failed or was cancelled) stops them."""
+
+    def __init__(self, files: ChunkFiles, step: int, build: str):
+        self.files, self.where = files, files.new_dir(step, build)
+        self.stop = threading.Event()
+        self.progress = [0, 0]
+        self.futures: dict[int, Future[None]] = {}
+        self.error: OSError | None = None
+
+    def submit(self, index: int, buffer: Any) -> None:
+        if self.stop.is_set():
+            return
+        if not self.futures:
+            try:
+                self.files._make_dir(self.where)
+            except OSError as exc:  # reported by the seal's write, as a failed store
+                self.error = exc
+                self.stop.set()
+                return
+        self.futures[index] = _WRITERS.submit(ChunkFiles._write_files, self.where, {index: buffer}, [index],
+                                              self.stop, self.progress, False)
+
+    def abandon(self) -> None:
+        self.stop.set()  # writers stop at their next slice and remove the directory
+        _WRITERS.submit(shutil.rmtree, self.where, True)
+
+
 class ChunkFiles:
     def __init__(self, root: Path, timeout: float = 120.0):
         self.root = Path(root).resolve()
@@ -80,24 +111,34 @@ class ChunkFiles:
     # --- writing ----------------------------------------------------------------------------
 
     async def write(self, step: int, build: str, buffers: list[Any], *,
-                    pause: Callable[[], Awaitable[None]] | None = None, reuse: str | Path | None = None) -> Path:
+                    pause: Callable[[], Awaitable[None]] | None = None, reuse: str | Path | None = None,
+                    early: EarlyWrite | None = None) -> Path:
         """Write `buffers` as build `build` of batch `step`, durably, within `timeout` seconds;
         returns the build's directory. `pause` is awaited once the first chunk is durable (the
         restart drills kill there). `reuse`: the directory this build was sealed from before (a
-        write-back after a Redis restart): chunks still there with the right size are kept."""
+        write-back after a Redis restart): chunks still there with the right size are kept.
+        `early`: the chunks' writes already under way (EarlyWrite): waited for, not repeated."""
         keep_existing = reuse is not None and Path(reuse).is_dir()
-        where = Path(reuse) if keep_existing else self.new_dir(step, build)
-        stop = threading.Event()
-        progress = [0, 0]  # chunks, bytes written
+        if keep_existing:
+            early = None
+        where = early.where if early else Path(reuse) if keep_existing else self.new_dir(step, build)
+        stop = early.stop if early else threading.Event()
+        progress = early.progress if early else [0, 0]  # chunks, bytes written
         total = sum(len(memoryview(b).cast("B")) for b in buffers)
         loop = asyncio.get_running_loop()
 
         async def run(indices: list[int]) -> None:
-            await asyncio.wrap_future(_WRITERS.submit(self._write_files, where, buffers, indices, stop, progress,
-                                                      keep_existing))
+            started = [early.futures[i] for i in indices if i in early.futures] if early else []
+            left = [i for i in indices if not early or i not in early.futures]
+            if left:
+                started.append(_WRITERS.submit(self._write_files, where, buffers, left, stop, progress, keep_existing))
+            await asyncio.gather(*map(asyncio.wrap_future, started))
 
         async def everything() -> None:
-            await loop.run_in_executor(_WRITERS, self._make_dir, where)
+            if early is None or not early.futures:
+                if early is not None and early.error is not None:
+                    raise early.error
+                await loop.run_in_executor(_WRITERS, self._make_dir, where)
             first, rest = [0][:len(buffers)], list(range(1, len(buffers)))
             await run(first)
             if pause is not None:
@@ -147,6 +188,10 @@ class ChunkFiles:
         """In a writer thread: each chunk to `<i>.part`, fsynced, renamed to `<i>`. On `stop`
         (the bound passed, or the build was cancelled) the partial build is removed."""
         for i in indices:
+            if stop.is_set():  # stopped between two chunks: the partial build goes, as below
+                if not keep_existing:
+                    shutil.rmtree(where, ignore_errors=True)
+                return
             view = memoryview(buffers[i]).cast("B")
             final = where / str(i)
             if keep_existing and final.exists() and final.stat().st_size == len(view):

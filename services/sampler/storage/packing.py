@@ -7,13 +7,16 @@ most a part of one chunk at each end: reading it costs O(share + chunk), never O
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from services.sampler.storage.chunk_files import ChunkFiles, EarlyWrite
 from shared import chunks as chunk_format
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -30,6 +33,8 @@ class SealedBatch:
     chunks: list[Any] | None = None
     # Where the chunks are files (chunk_files.py): the build's directory; None: Redis strings.
     files: str | None = None
+    # The chunks' file writes begun while they were packed (pack_writing), until the seal takes them.
+    early: EarlyWrite | None = None
 
     @property
     def num_samples(self) -> int:
@@ -91,12 +96,38 @@ def group_runs(samples: list[dict[str, Any]], chunk_bytes: int) -> list[tuple[in
 
 
 def pack(step: int, samples: list[dict[str, Any]], stats: dict[str, Any],
-         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SealedBatch:
-    """Batch `step` as chunks: each sample's numbers copied once, into its chunk."""
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, *, build: str | None = None,
+         on_chunk: Callable[[int, Any], None] | None = None) -> SealedBatch:
+    """Batch `step` as chunks: each sample's numbers copied once, into its chunk. `on_chunk(i,
+    buffer)` is called as each chunk is done."""
     runs = group_runs(samples, chunk_bytes)
-    buffers = [chunk_format.encode_samples(samples[a:b]) for a, b in runs]
+    buffers = []
+    for a, b in runs:
+        buffers.append(chunk_format.encode_samples(samples[a:b]))
+        if on_chunk is not None:
+            on_chunk(len(buffers) - 1, buffers[-1])
     table = [(b - a, len(buf)) for (a, b), buf in zip(runs, buffers)]
-    return SealedBatch(step, uuid.uuid4().hex[:16], stats, table, buffers)
+    return SealedBatch(step, build or uuid.uuid4().hex[:16], stats, table, buffers)
+
+
+async def pack_writing(step: int, samples: list[dict[str, Any]], stats: dict[str, Any], chunk_bytes: int,
+                       files: ChunkFiles | None) -> SealedBatch:
+    """`pack` in a worker thread (the event loop goes on answering meanwhile; the copies release
+    the GIL). With `files`, each chunk's write and fsync begin as soon as it is packed, so that
+    the disk works while the next chunks are packed instead of after all of them (measured on
+    the 2-core machine: packing ~1.3 GB/s, writing ~1.7 GB/s, one after the other ~0.7 GB/s);
+    the seal still waits for every chunk to be durable (Store.seal, ChunkFiles.write)."""
+    build = uuid.uuid4().hex[:16]
+    early = EarlyWrite(files, step, build) if files is not None else None
+    try:
+        batch = await asyncio.to_thread(pack, step, samples, stats, chunk_bytes, build=build,
+                                        on_chunk=early.submit if early is not None else None)
+    except BaseException:
+        if early is not None:  # a chunk that cannot be packed, or a shutdown: no file of it stays
+            early.abandon()
+        raise
+    batch.early = early
+    return batch
 
 
 @dataclass(frozen=True)

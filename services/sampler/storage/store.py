@@ -141,8 +141,9 @@ class Store:
         for _ in range(3):
             where = ""
             if self.files is not None:
+                early, batch.early = batch.early, None  # a retry writes afresh
                 stored = await self.files.write(step, batch.build, batch.chunks or [], pause=writing,
-                                                reuse=batch.files)
+                                                reuse=batch.files, early=early)
                 # Durable now: an attempt after a failed seal (Redis down) reuses these files.
                 batch.files = where = str(stored)
                 if not self.files.touch(stored, len(batch.table)):
