@@ -67,10 +67,10 @@ class _Exchange(asyncio.BufferedProtocol):
             return
         try:
             self.parser.feed_data(memoryview(self.scratch)[:nbytes])
+        except httptools.HttpParserCallbackError as exc:  # raised by a callback here (`into`: MemoryError)
+            self._fail(exc.__context__ if isinstance(exc.__context__, Exception) else exc)
         except httptools.HttpParserError as exc:
             self._fail(ResponseError(f"{self.url} answered something that is not HTTP/1.1: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - `into` (MemoryError) or a callback: the caller raises it
-            self._fail(exc)
 
     def eof_received(self) -> bool:
         return False  # the transport closes; connection_lost decides whether the body was whole

@@ -135,3 +135,13 @@ async def test_the_client_receives_bodies_byte_identical_to_the_sampler_s(make_s
         for encoding in ("json", "msgpack"):
             async with SamplerClient(sampler.url, encoding=encoding, poll_timeout=5) as other:
                 assert (await other.get_batch_raw(0, 1, 4))["rank"] == 1
+
+
+async def test_a_buffer_that_cannot_be_made_is_the_callers_error_not_a_transport_one(raw):
+    url, _ = await raw(lambda _: [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nabcde"])
+
+    def into(n: int) -> bytearray:
+        raise MemoryError(f"no room for {n} bytes")
+
+    with pytest.raises(MemoryError, match="no room for 5 bytes"):
+        await get_into(url, timeout=10, connect_timeout=5, into=into)
