@@ -798,6 +798,23 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _with_bounds(targets: list[dict[str, Any]], ceilings: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The physical bound beside each rate target, from this run's ceilings. built -> decoded:
+    a batch is sealed only once its chunks are fsynced and sent only once sealed, so even with
+    packing overlapped with the writes it takes at least a write + fsync by two threads and then
+    a loopback transfer: 1 / (1/disk + 1/loopback). sealed -> decoded: the loopback transfer."""
+    if not ceilings or not ceilings.get("disk_fsync"):
+        return targets
+    tcp = ceilings["tcp_loopback"]["GB_per_s_fresh_buffer"]
+    disk = ceilings["disk_fsync"]["GB_per_s_2_threads"]
+    for t in targets:
+        if t["name"].startswith("built_to_decoded_GB_per_s"):
+            t["physical_bound_GB_per_s"] = round(1 / (1 / disk + 1 / tcp), 3)
+        elif t["name"].startswith("sealed_to_decoded_GB_per_s"):
+            t["physical_bound_GB_per_s"] = tcp
+    return targets
+
+
 def _ms(x: float | None) -> str:
     return "" if x is None else f"{x * 1e3:.1f}" if x >= 0.01 else f"{x * 1e3:.2f}"
 
@@ -806,7 +823,7 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
             full: bool, sizes: tuple[int, ...], load_at_start: float | None = None) -> dict:
     from bench.handoff_strategy import COMPLETION_TOKENS, PROMPT_TOKENS
 
-    targets = _targets(rows)
+    targets = _with_bounds(_targets(rows), ceilings)
     result: dict[str, Any] = {
         "benchmark": "handoff",
         "full_run": full,
@@ -838,8 +855,10 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
         "",
         f"A fresh sampler per size builds batches of synthetic samples ({result['setup']['sample']}) through "
         "its own producer (token fields typed already, so packing into 4 MiB group-aligned chunks is the one "
-        "copy), writes the chunks to files under its run directory (each fsynced once: `batch_store = files`), "
-        "seals the manifest in Redis (`appendfsync always`) and answers a parked `GET /batch` from memory. "
+        "copy), writes the chunks to files under its run directory as they are packed (each fsynced once: "
+        "`batch_store = files`), seals the manifest in Redis (`appendfsync always`) and answers a parked `GET "
+        "/batch` from memory; the client receives the body in place (shared/http_into.py) into a buffer of the "
+        "batch before, dropped by then (shared/recv_buffers.py). "
         "4 GiB is measured at world size 1 only (the sampler's peak is about twice the batch). The Parquet rollout log is off (`rollout_log = false`): it is a producer hook after "
         "each seal that would dominate the sampler's CPU and RSS at 1-2 GiB. `batch_cache_bytes` = 3 GiB, "
         "`keep_batches` = 1 (Redis holds at most the batch before and this one).",
@@ -941,6 +960,10 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
     for t in targets:
         state = "not measured in this run" if t["met"] is None else ("met" if t["met"] else "NOT met")
         extra = f" (bound {t['bound_s']} s)" if "bound_s" in t else ""
+        if "physical_bound_GB_per_s" in t:
+            extra += (f" (this machine's physical bound: {t['physical_bound_GB_per_s']} GB/s, "
+                      + ("1 / (1/disk write+fsync by two threads + 1/loopback): the seal follows the fsyncs, the "
+                         "transfer follows the seal" if t["name"].startswith("built") else "loopback TCP") + ")")
         lines.append(f"* {t['name']} {t['goal']}: {state}" + ("" if t["value"] is None else f", {t['value']}{extra}"))
     lines.append("")
     if ceilings:
@@ -949,8 +972,8 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
         lines += [f"**This machine's ceilings** ({label(tcp['bytes'])}):", "",
                   f"* loopback TCP, one socket, two processes (sendall from memory -> recv_into): "
                   f"{tcp['GB_per_s']} GB/s into a prefaulted buffer, {tcp['GB_per_s_fresh_buffer']} GB/s into a "
-                  "fresh `shared.chunks.alloc` buffer (page faults: what the client pays; a MAP_SHARED mapping, so "
-                  f"no huge pages), {tcp['GB_per_s_fresh_private_buffer']} GB/s into a fresh MAP_PRIVATE one "
+                  "fresh `shared.chunks.alloc` buffer (page faults: what a client receiving into fresh memory pays; "
+                  f"a Python sendall -> recv_into loop, not a strict bound), {tcp['GB_per_s_fresh_private_buffer']} GB/s into a fresh MAP_PRIVATE one "
                   "with huge pages;",
                   *([f"* disk, {label(disk['file_bytes'])} files each written and fsynced (as the bulk store "
                      f"writes chunks), in {disk['where']}: {disk['GB_per_s_1_threads']} GB/s by one thread, "
