@@ -48,7 +48,10 @@ class _Exchange(asyncio.BufferedProtocol):
         self.body: Any = None
         self.got = 0
         self.pieces: list[bytes] = []
-        self.done: asyncio.Future[tuple[int, Any, str | None]] = asyncio.get_running_loop().create_future()
+        # The answer is kept here, not as the future's result, so that `release` can let go of it:
+        # the transport holds this protocol until the loop's next turn.
+        self.answer: tuple[int, Any, str | None] | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # --- asyncio -------------------------------------------------------------------------
 
@@ -58,7 +61,7 @@ class _Exchange(asyncio.BufferedProtocol):
         return self.scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.done.done():
+        if self.done.done() or self.parser is None:
             return
         if self.view is not None:
             self.got += nbytes
@@ -126,11 +129,18 @@ class _Exchange(asyncio.BufferedProtocol):
 
     def _finish(self, body: Any) -> None:
         if not self.done.done():
-            self.done.set_result((self.parser.get_status_code(), body, self.headers.get("content-type")))
+            self.answer = (self.parser.get_status_code(), body, self.headers.get("content-type"))
+            self.done.set_result(None)
 
     def _fail(self, exc: Exception) -> None:
         if not self.done.done():
             self.done.set_exception(exc)
+
+    def release(self) -> None:
+        """Drop the parser (it refers back to this protocol: a cycle that only the cyclic GC would
+        free, holding the body's buffer until then) and the views of the body."""
+        self.parser = self.view = self.body = self.answer = None  # type: ignore[assignment]
+        self.pieces = []
 
 
 def request_bytes(url: str, params: dict[str, Any] | None, headers: dict[str, str]) -> bytes:
@@ -167,10 +177,14 @@ async def get_into(url: str, *, params: dict[str, Any] | None = None, headers: d
             transport, _ = await loop.create_connection(lambda: exchange, parts.hostname, parts.port or 80)
         try:
             transport.write(data)
-            return await exchange.done
+            await exchange.done
+            answer = exchange.answer
+            assert answer is not None
+            return answer
         finally:
             # An answer received whole leaves nothing unread; any other end drops the connection.
             if exchange.done.done() and not exchange.done.cancelled() and exchange.done.exception() is None:
                 transport.close()
             else:
                 transport.abort()
+            exchange.release()  # the body goes back (a pooled buffer: to its pool) as soon as the caller drops it

@@ -5,6 +5,7 @@ server that answers in each framing HTTP/1.1 allows, or breaks off."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -14,6 +15,7 @@ from shared.chunks import FRAMES, alloc
 from shared.client import SamplerClient
 from shared.http_client import HttpClient, TransportError
 from shared.http_into import get_into, request_bytes
+from shared.recv_buffers import RecvBuffers
 from tests.support.servers import refused_port
 
 
@@ -145,3 +147,19 @@ async def test_a_buffer_that_cannot_be_made_is_the_callers_error_not_a_transport
 
     with pytest.raises(MemoryError, match="no room for 5 bytes"):
         await get_into(url, timeout=10, connect_timeout=5, into=into)
+
+
+async def test_a_body_dropped_by_the_caller_is_free_at_once_without_the_cyclic_collector(raw):
+    """Nothing of the exchange keeps the body alive once the caller drops it: a pooled buffer is
+    back in its pool at once (a parser <-> protocol cycle held it until a gc pass)."""
+    body = b"z" * (3 << 20)
+    url, _ = await raw(lambda _: [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body), body])
+    pool = RecvBuffers()
+    gc.disable()
+    try:
+        _, got, _ = await get_into(url, timeout=10, connect_timeout=5, into=pool.take)
+        assert bytes(got) == body and pool.free_bytes == 0
+        del got
+        assert pool.free_bytes >= len(body)
+    finally:
+        gc.enable()
