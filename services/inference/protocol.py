@@ -216,12 +216,12 @@ def completion_choice(index: int, out: Output, prompt_ids: list[int], req: Compl
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        logprobs = {
-            "text_offset": offsets,
-            "token_logprobs": [finite(lp) for lp in out.logprobs],
-            "tokens": tokens,
-            "top_logprobs": [_top_dict(out, j, piece) for j in range(len(out.token_ids))],
-        }
+        token_logprobs = [finite(lp) for lp in out.logprobs]
+        if any(out.top_logprobs or ()):
+            top = [_top_dict(out, j, piece) for j in range(len(out.token_ids))]
+        else:  # logprobs=0 (what the sampler asks): each position's dict is the sampled token alone
+            top = [{t: lp} for t, lp in zip(tokens, token_logprobs)]
+        logprobs = {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
     choice: dict[str, Any] = {
         "index": index,
         "text": out.text,
