@@ -136,11 +136,11 @@ class Producer:
     def building(self, step: int) -> bool:
         return step in self._builds
 
-    async def sync_versions(self) -> None:
-        """Load per-server versions from Redis (another replica may have synced them). Only
-        servers in rotation: one this process took out (restarted, stale) is the fleet's to
-        bring back, whatever an older record says."""
-        for url, info in (await self.store.servers()).items():
+    def follow_versions(self, servers: dict[str, dict[str, Any]]) -> None:
+        """Take up per-server versions read from Redis (another replica may have synced them).
+        Only servers in rotation: one this process took out (restarted, stale) is the fleet's
+        to bring back, whatever an older record says."""
+        for url, info in servers.items():
             server = self.pool.find(url)
             if (server is not None and server.state == OK and info.get("version") is not None
                     and (server.version is None or info["version"] > server.version)):
@@ -163,13 +163,13 @@ class Producer:
             await wait_any([changed, self._replan], recheck)
 
     async def _plan(self) -> None:
-        meta = await self.store.meta()
+        meta, servers, sealed_steps = await self.store.plan_view()
         # Batches below the published version were consumed (a trainer publishes N+1 after
         # reading batch N); the version this process acknowledged counts even if Redis lost it.
         published = max(meta["version"], self.store.acked_version)
         floor = max(meta["trimmed_below"], published)
         self.floor = floor
-        await self.sync_versions()
+        self.follow_versions(servers)
         best = self.pool.max_version()
         # The frontier: the last step whose required version is published and served. (A server
         # is ahead of the published version only while a publication is in flight.)
@@ -178,7 +178,7 @@ class Producer:
         while (servable is not None and last + 1 - floor < MAX_AHEAD
                and self.strategy.required_version(last + 1) <= servable):
             last += 1
-        sealed = set(await self.store.sealed_from(floor))
+        sealed = set(sealed_steps)  # those from `floor` on
         if sealed:
             self.high_water = max(self.high_water, max(sealed) + 1)
         missing = []

@@ -104,6 +104,7 @@ class Store:
         self._lease = client.register_script(scripts.LEASE)
         self._release = client.register_script(scripts.RELEASE)
         self._remove_member = client.register_script(scripts.REMOVE_MEMBER)
+        self._plan_view = client.register_script(scripts.PLAN_VIEW)
 
     # --- batches -------------------------------------------------------------------
 
@@ -279,10 +280,6 @@ class Store:
     async def sealed_steps(self) -> list[int]:
         return [int(s) for s in await self.r.zrange(self.keys.sealed, 0, -1)]
 
-    async def sealed_from(self, first: int) -> list[int]:
-        """Sealed steps >= `first`, in order."""
-        return [int(s) for s in await self.r.zrangebyscore(self.keys.sealed, first, "+inf")]
-
     async def trim_below(self, step: int, resume_step: int | None = None) -> int:
         """Delete the batches below `step`, but none from `resume_step` on (the trainer's restart
         point); returns how many were deleted."""
@@ -355,16 +352,15 @@ class Store:
     # --- versions ------------------------------------------------------------------
 
     async def meta(self) -> dict[str, Any]:
-        raw = await self.r.hgetall(self.keys.meta)
-        meta = {k.decode(): v.decode() for k, v in raw.items()}
-        return {
-            "version": int(meta.get("version", 0)),
-            "checkpoint_path": meta.get("checkpoint_path") or None,
-            "adapter": meta.get("adapter") == "1",
-            "trimmed_below": int(meta.get("trimmed_below", 0)),
-            "resume_step": int(meta["resume_step"]) if "resume_step" in meta else None,
-            "published_at": float(meta["published_at"]) if "published_at" in meta else None,
-        }
+        return _meta(await self.r.hgetall(self.keys.meta))
+
+    async def plan_view(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[int]]:
+        """`meta()`, `servers()` and the sealed steps from the floor (max of the published
+        version, trimmed_below and `acked_version`), read in one round trip (the producer's)."""
+        meta, servers, sealed = await self._plan_view(
+            keys=[self.keys.meta, self.keys.servers, self.keys.sealed], args=[self.acked_version])
+        return (_meta(dict(zip(meta[::2], meta[1::2]))),
+                {k.decode(): json.loads(v) for k, v in zip(servers[::2], servers[1::2])}, [int(s) for s in sealed])
 
     async def version(self) -> int:
         value = await self.r.hget(self.keys.meta, "version")
@@ -492,3 +488,12 @@ class Store:
     async def recent_batch_stats(self, count: int = 200) -> list[dict[str, Any]]:
         entries = await self.r.xrevrange(self.keys.batch_stats, count=count)
         return [json.loads(fields[b"json"]) for _, fields in reversed(entries)]
+
+
+def _meta(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    """The run's meta hash, typed (absent fields: a run that has published nothing yet)."""
+    m = {k.decode(): v.decode() for k, v in raw.items()}
+    return {"version": int(m.get("version", 0)), "checkpoint_path": m.get("checkpoint_path") or None,
+            "adapter": m.get("adapter") == "1", "trimmed_below": int(m.get("trimmed_below", 0)),
+            "resume_step": int(m["resume_step"]) if "resume_step" in m else None,
+            "published_at": float(m["published_at"]) if "published_at" in m else None}

@@ -125,3 +125,17 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+# KEYS: meta, servers, sealed. ARGV: the version this process acknowledged (it counts even if a
+# restarted Redis lost it). Returns {meta's fields, servers' fields (both as HGETALL lists), the
+# sealed steps from the floor = max(version, trimmed_below, ARGV[1]) on}: what the producer plans
+# from, in one round trip instead of three (it plans at every wake-up, several times a step).
+PLAN_VIEW = """
+local meta = redis.call('HGETALL', KEYS[1])
+local floor = tonumber(ARGV[1])
+for i = 1, #meta, 2 do
+  if meta[i] == 'version' or meta[i] == 'trimmed_below' then floor = math.max(floor, tonumber(meta[i + 1])) end
+end
+local sealed = redis.call('ZRANGEBYSCORE', KEYS[3], string.format('%.0f', floor), '+inf')
+return {meta, redis.call('HGETALL', KEYS[2]), sealed}
+"""
