@@ -158,9 +158,9 @@ async def _complete(s: StandInState, body: dict[str, Any], request: Request) -> 
             finally:
                 s.held -= 1
     seed = body.get("seed")
-    # One stream per request, read prompt by prompt: a one-prompt request draws as it always did.
     rng = random.Random(seed if seed is not None else time.perf_counter_ns())
-    # Every choice's own stream drawn first, in order; the prompts then generate together.
+    # Every choice's stream drawn from the request's first, in order (a one-prompt request draws
+    # as it always did); the prompts then generate together.
     rngs = [[random.Random(rng.random()) for _ in range(n)] for _ in prompts]
     per_prompt = await asyncio.gather(*(_prompt_choices(s, body, ids, k * n, max_tokens, rngs[k])
                                         for k, ids in enumerate(prompts)))

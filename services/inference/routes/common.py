@@ -30,10 +30,9 @@ async def unless_disconnected(request: Request, coro) -> Any:
             task.cancel()
 
 
-def token_pieces(tokenizer, cache: dict[int, str] | None = None):
+def token_pieces(tokenizer, cache: dict[int, str]):
     """token id -> its text on its own (special tokens included), cached in `cache` (the
-    engine's, which outlives requests) or per call."""
-    cache = {} if cache is None else cache
+    engine's `pieces`, which outlives requests)."""
 
     def piece(token_id: int) -> str:
         if token_id not in cache:

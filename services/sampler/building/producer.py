@@ -428,7 +428,7 @@ class Producer:
             except Exception:  # noqa: BLE001 - the lease expires by itself
                 pass
 
-    async def _after_seal(self, step: int, payload: dict[str, Any], nbytes: int = 0) -> None:
+    async def _after_seal(self, step: int, payload: dict[str, Any], nbytes: int) -> None:
         stats = payload["stats"]
         self.sealed_count += 1
         self.last_sealed = step if self.last_sealed is None else max(self.last_sealed, step)
