@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
@@ -43,15 +44,44 @@ REPO = Path(__file__).resolve().parents[2]
 _ACCESS_LINE = re.compile(r'^INFO: +[0-9.:\[\]a-f]+ - "')
 
 
+def _listening(session: int, port: int) -> bool:
+    """Whether a process of session `session` (a ServiceProcess and whatever it started) holds a
+    TCP socket listening on `port`, read from /proc: the server that answered is the one a test
+    started, not another test's that took the same free port first (free_port only finds a
+    port free at that moment; parallel workers start servers all the time)."""
+    inodes = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3]) != session:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            # state 0A = LISTEN; local address "HEXIP:HEXPORT"; field 9 the socket's inode.
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                return True
+    return False
+
+
 def wait_http(url: str, timeout: float, what: str, proc: ServiceProcess | None = None) -> None:
+    """Wait until `url` answers (below 500); with `proc`, until `proc`'s own server does."""
     deadline = time.monotonic() + timeout
     last = None
+    port = urlsplit(url).port
     while time.monotonic() < deadline:
         if proc is not None and proc.popen.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.popen.returncode} before answering {url}:\n{proc.log_tail()}")
         try:
             if httpx.get(url, timeout=2).status_code < 500:
-                return
+                if proc is None or port is None or _listening(proc.pid, port):
+                    return
+                last = f"port {port} answered, but not from {what} (pid {proc.pid}): another server holds it"
         except httpx.HTTPError as exc:
             last = exc
         time.sleep(0.05)
