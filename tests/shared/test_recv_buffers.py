@@ -75,3 +75,18 @@ def test_a_reused_buffer_decodes_the_new_body_and_the_last_view_may_die_on_anoth
     raw = body(2, 2 * MIB - len(body(2, 0)))
     second[:] = np.frombuffer(raw, np.uint8)
     assert decode_frame(second).step == 2 and bytes(second) == raw
+
+
+def test_a_finer_grain_maps_closer_to_the_size_and_set_keep_lets_the_oldest_go():
+    pool = RecvBuffers(keep=8, grain=MIB)
+    buffers = [pool.take(4 * MIB + 100 * (k + 1)) for k in range(4)]  # a GiB batch's chunks: ~4 MiB each
+    addresses = [_address(b) for b in buffers]
+    del buffers
+    gc.collect()
+    assert pool.free_bytes == 4 * 5 * MIB  # 5 MiB mappings, not 6 (the default 2 MiB grain)
+    again = [pool.take(4 * MIB + 50) for _ in range(4)]
+    assert sorted(map(_address, again)) == sorted(addresses) and pool.reused == 4
+    del again
+    gc.collect()
+    pool.set_keep(1)
+    assert pool.free_bytes == 5 * MIB
