@@ -96,3 +96,19 @@ def test_the_pool_keeps_one_batch_worth_of_free_buffers(pool):
     gc.collect()
     assert pool.free_bytes == 4 << 20  # one mapping (a 3.8 MB chunk, 1 MiB grain), not nine
     del small
+
+
+def test_a_share_edge_is_cut_into_a_pooled_buffer_that_the_next_share_reuses(pool):
+    batch = packing.pack(1, _samples(6, 40_000, 0), {}, 1 << 21)
+    assert [n for n, _ in batch.table] == [8, 8, 8]
+    parts = packing.pieces(batch.table, 2, 14)  # cuts the first chunk and the second
+    first = packing.share_chunks(parts, [batch.chunks[p.index] for p in parts])
+    assert [p.whole for p in parts] == [False, False]
+    assert [s["group_id"] for c in first for s in samples_of(decode_chunk(c))] == \
+        [f"g{i // 4}" for i in range(2, 14)]
+    edges = {c.__array_interface__["data"][0] for c in first}
+    del first
+    gc.collect()
+    reused = pool.reused
+    again = packing.share_chunks(parts, [batch.chunks[p.index] for p in parts])
+    assert {c.__array_interface__["data"][0] for c in again} == edges and pool.reused == reused + 2

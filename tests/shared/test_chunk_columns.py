@@ -4,7 +4,11 @@ laid out in a reused (dirty) buffer is the same bytes as one in fresh zeroed mem
 
 from __future__ import annotations
 
+import struct
+
+import msgpack
 import numpy as np
+import pytest
 
 from shared.chunks import alloc, decode_chunk, encode_chunk, encode_samples, columns_of, samples_of, slice_chunk
 
@@ -84,3 +88,35 @@ def test_a_chunk_in_a_reused_buffer_is_the_same_bytes_padding_included():
     assert isinstance(reused, np.ndarray) and bytes(reused) == fresh
     assert bytes(slice_chunk(fresh, 3, 9, _dirty)) == bytes(slice_chunk(fresh, 3, 9))
     assert bytes(encode_chunk(columns_of([]), _dirty)) == bytes(encode_chunk(columns_of([])))
+
+
+def _with_header(chunk, header: bytes) -> bytes:
+    """`chunk` with its header replaced (the data re-aligned after it)."""
+    view = memoryview(chunk)
+    size = struct.unpack_from("<I", view, 4)[0]
+    data = bytes(view[(8 + size + 7) & ~7:])
+    head = b"TCK1" + struct.pack("<I", len(header)) + header
+    return head + bytes(-len(head) % 8) + data
+
+
+def test_the_lists_of_a_decoded_chunk_are_read_on_use_and_are_the_values_sent():
+    samples = [{"rewards": {"a": 1.0, "b": [i, None]}, "versions": [i, i + 1], "k": i} for i in range(5)]
+    cols = decode_chunk(encode_samples(samples))
+    assert not isinstance(cols.lists, dict) and sorted(cols.lists) == ["rewards", "versions"]
+    assert len(cols.lists) == 2 and "rewards" in cols.lists
+    assert cols.lists["versions"] == [[i, i + 1] for i in range(5)]
+    assert dict(cols.lists.items())["rewards"] == [s["rewards"] for s in samples]
+    assert samples_of(cols) == samples
+
+
+def test_a_chunk_header_with_bytes_past_its_end_or_lists_not_a_map_is_a_value_error():
+    chunk = encode_samples([{"versions": [1]}])
+    view = memoryview(chunk)
+    size = struct.unpack_from("<I", view, 4)[0]
+    header = msgpack.unpackb(bytes(view[8:8 + size]), raw=False)
+    with pytest.raises(ValueError, match="past its end"):
+        decode_chunk(_with_header(chunk, msgpack.packb(header) + b"\xc0"))
+    with pytest.raises(ValueError, match="not valid msgpack"):
+        decode_chunk(_with_header(chunk, msgpack.packb({**header, "lists": [1, 2]})))
+    with pytest.raises(ValueError, match="not valid msgpack"):
+        decode_chunk(_with_header(chunk, msgpack.packb(header)[:-2]))

@@ -204,6 +204,14 @@ def share_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * share, (rank + 1) * share
 
 
+def share_chunks(parts: list[Piece], buffers: list[Any]) -> list[Any]:
+    """The chunks of a share: whole chunks as stored, a chunk its edge cuts re-encoded (at most
+    two per share, each at most a chunk) into a pooled buffer, which comes back when the answer
+    is sent: a share no longer first-touches a fresh mapping per edge on every request."""
+    return [buf if p.whole else chunk_format.slice_chunk(buf, p.start, p.stop, CHUNK_BUFFERS.take)
+            for p, buf in zip(parts, buffers)]
+
+
 def pieces(table: list[tuple[int, int]], start: int, stop: int) -> list[Piece]:
     """The chunk pieces holding samples start..stop-1 of a batch with this chunk table."""
     out = []

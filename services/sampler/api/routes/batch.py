@@ -18,11 +18,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.background import BackgroundTask
 
 from services.sampler.api.deps import State
-from services.sampler.storage.packing import SealedBatch, pieces, share_range
+from services.sampler.storage.packing import SealedBatch, pieces, share_chunks, share_range
 from services.sampler.storage.store import Store
 from shared import codec
 from shared.aio import wait_event
-from shared.chunks import FRAMES, frame_head, gc_paused, samples_of_chunks, slice_chunk
+from shared.chunks import FRAMES, frame_head, gc_paused, samples_of_chunks
 from shared.codec import negotiate
 
 router = APIRouter(tags=["batch"])
@@ -150,9 +150,7 @@ async def _batch_response(store: Store, batch: SealedBatch, rank: int, world_siz
                 "every sampler replica of a run must see one batch_dir at the same path (a shared filesystem), "
                 "or all must run with batch_store = redis (docs/sampler-api.md, 'How a batch is stored')")
         return None
-    # Whole chunks are sent as stored; a chunk the share's edge cuts is re-encoded (at most
-    # two per share, each at most a chunk's size).
-    chunks = [buf if p.whole else slice_chunk(buf, p.start, p.stop) for p, buf in zip(parts, buffers)]
+    chunks = share_chunks(parts, buffers)
     media_type = negotiate(accept)
     if media_type == FRAMES:
         head = frame_head(step=batch.step, stats=batch.stats, chunk_lengths=[len(c) for c in chunks],
