@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import time
@@ -103,8 +104,8 @@ class Engine:
         self._pause_epoch = 0
         self._task: asyncio.Task | None = None
         self.adapters: Adapters | None = None  # set by the server when it serves LoRA adapters
-        self.stats = {"steps": 0, "peak_batch_size": 0, "last_batch_size": 0, "generated_tokens": 0,
-                      "prompt_tokens": 0, "finished": 0, "reloads": 0}
+        self.stats = dict.fromkeys(("steps", "peak_batch_size", "last_batch_size", "generated_tokens",
+                                    "prompt_tokens", "finished", "reloads", "pauses"), 0)
         self.metrics.bind(
             running=lambda: sum(1 for s in self._rows if not s.done),
             waiting=lambda: sum(1 for s in self._waiting if not s.done),
@@ -154,10 +155,8 @@ class Engine:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         self._abort_all()
         self._executor.shutdown(wait=True)
@@ -231,6 +230,7 @@ class Engine:
         if mode not in ("abort", "wait", "keep"):
             raise RequestError(f"mode must be one of abort, wait, keep; got {mode!r}", param="mode")
         self._pause_epoch += 1
+        self.stats["pauses"] += 1
         epoch = self._pause_epoch
         if mode == "wait":
             self._admitting = False
@@ -249,9 +249,12 @@ class Engine:
         self._admitting = True
         self._work.set()
 
-    async def reload_weights(self, weights_path: str | Path | None = None) -> dict[str, Any]:
-        """What was loaded and how (weights_load.Reload.as_dict: applied delta|full|chain, ...)."""
-        result = await self.exclusive(self._load_weights, Path(weights_path) if weights_path else self.model_path)
+    async def reload_weights(self, weights_path: str | Path | None = None, weight_version: str | None = None) -> dict:
+        """What was loaded and how (weights_load.Reload.as_dict: applied delta|full|chain, ...).
+        With `weight_version`, the label changes with the weights between the same two steps:
+        no token is labelled with a version that did not compute it, and no pause is needed."""
+        path = Path(weights_path) if weights_path else self.model_path
+        result = await self.exclusive(self._load_weights, path, weight_version)
         self.stats["reloads"] += 1
         self.metrics.on_reload()
         return result
@@ -486,10 +489,12 @@ class Engine:
             num_top_logprobs=p.logprobs, banned=banned,
         )
 
-    def _load_weights(self, path: Path) -> dict[str, Any]:
+    def _load_weights(self, path: Path, label: str | None = None) -> dict[str, Any]:
         try:
             result = weights_load.load(self.model, self.adapters, path, self.weights_digest)
         except weights_load.WeightsError as exc:
             raise RequestError(str(exc), param="weights_path") from None
         self.weights_digest = result.digest
+        if label is not None:  # under the step lock (exclusive): the next step reads the new label
+            self.set_weight_version(label)
         return result.as_dict()

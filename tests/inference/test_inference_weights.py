@@ -109,3 +109,46 @@ async def test_keep_pause_across_update_gives_two_spans(fresh_server: ServerHand
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 200
     assert 20 <= spans[0]["end"] < 200
     assert len(choice["logprobs"]["token_logprobs"]) == 200
+
+
+async def test_a_relabelling_reload_swaps_weights_and_label_between_two_steps(
+        fresh_server: ServerHandle, perturbed_checkpoint: Path, tiny_model: Path) -> None:
+    """`tandem_reload_weights` with `weight_version`: no pause around it, and the tokens labelled
+    with the old version are the old weights' (greedy), the rest are not."""
+    url, engine = fresh_server.url, fresh_server.engine
+    info = httpx.get(url + "/server_info").json()
+    assert info == {"tandem": {"server": "cpu", "reload_method": "tandem_reload_weights", "relabels_on_reload": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        body = {"prompt": "long", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True, "return_weight_versions": True}
+        old = (await c.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+        done = engine.stats["generated_tokens"]
+        flight = asyncio.create_task(c.post("/v1/completions", json=body))
+        while engine.stats["generated_tokens"] < done + 20:
+            await asyncio.sleep(0.005)
+        r = await c.post("/collective_rpc", json={"method": "tandem_reload_weights", "kwargs": {
+            "weights_path": str(perturbed_checkpoint), "weight_version": "7"}})
+        assert r.status_code == 200, r.text
+        assert r.json()["results"][0]["weight_version"] == "7"
+        assert (await c.get("/weight_info")).json() == {"weight_version": "7"}
+        assert (await c.get("/is_paused")).json() == {"is_paused": False}
+        choice = (await flight).json()["choices"][0]
+        spans = choice["weight_versions"]
+        assert [s["version"] for s in spans] == ["0", "7"], spans
+        cut = spans[0]["end"]
+        assert 20 <= cut < 200 and spans[1] == {"version": "7", "start": cut, "end": 200}
+        assert choice["token_ids"][:cut] == old[:cut]
+        assert choice["token_ids"][cut:] != old[cut:]
+
+
+@pytest.mark.parametrize("rpc", [
+    {"method": "tandem_reload_weights", "kwargs": {"weight_version": 7}},
+    {"method": "reload_weights", "kwargs": {"weight_version": "7"}},
+])
+def test_a_bad_relabelling_reload_is_a_400_that_changes_nothing(fresh_server: ServerHandle, rpc: dict) -> None:
+    url = fresh_server.url
+    r = httpx.post(url + "/collective_rpc", json=rpc, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "weight_version must be a string" in r.json()["error"]["message"]
+    assert httpx.get(url + "/weight_info").json() == {"weight_version": "0"}
+    assert fresh_server.engine.stats["reloads"] == 0

@@ -132,3 +132,26 @@ async def test_a_sync_cut_off_by_shutdown_still_resumes_the_server(standin, redi
         await http.aclose()
         await redis.aclose()
         httpx.post(f"{standin.url}/_standin/configure", json={"reload_delay": 0.0, "resume_delay": 0.0})
+
+
+def test_a_cpu_server_is_synced_in_one_request_without_a_pause(make_sampler, tiny_model, tmp_path):
+    """Tandem's CPU server relabels as it reloads (GET /server_info says so): the sampler's sync
+    is that one request, so the server is never paused, and it serves and is labelled with the
+    version afterwards. (The stand-in, without /server_info, gets pause -> ... -> resume: the test
+    above.)"""
+    import shutil
+
+    from services.inference.testing import running_server
+
+    checkpoint = tmp_path / "version-1"
+    shutil.copytree(tiny_model, checkpoint)
+    with running_server(tiny_model, served_model_name="tiny") as cpu:
+        sampler = make_sampler(inference_urls=[cpu.url], model_name="tiny")
+        for version in (1, 2):
+            response = httpx.post(sampler.url + "/weights_version",
+                                  json={"version": version, "checkpoint_path": str(checkpoint)}, timeout=60)
+            assert response.status_code == 200, response.text
+            assert [s["version"] for s in response.json()["servers"]] == [version]
+            assert httpx.get(cpu.url + "/weight_info").json() == {"weight_version": str(version)}
+        assert cpu.engine.stats["reloads"] == 2 and cpu.engine.stats["pauses"] == 0
+        assert not cpu.engine.is_paused

@@ -9,7 +9,12 @@
   (vllm_ext.py), so a sampler may call that name on every Tandem server; `applied` says how
   the weights came in: "delta" (a delta version applied in place, `delta` true), "full" or
   "chain" (a delta version's chain replayed: the server did not hold its base). Other
-  methods: 400.
+  methods: 400. `tandem_reload_weights` also takes `"weight_version": str`: the label then
+  changes with the weights between two engine steps, so a sampler needs no pause, relabel or
+  resume around the reload (one round trip instead of four; the answer echoes `weight_version`).
+* `GET /server_info` -> `{"tandem": {"server": "cpu", "reload_method": "tandem_reload_weights",
+  "relabels_on_reload": true}}`: how a sampler learns that (vLLM answers it with its
+  configuration, in dev mode).
 * `POST /update_weight_version {"new_version": str}` -> `{"success": true, "new_version": str}`;
   `GET /weight_info` -> `{"weight_version": str}`.
 * `POST /reset_prefix_cache` -> `{"success": true}` (the CPU engine keeps no prefix cache).
@@ -60,15 +65,25 @@ async def collective_rpc(req: P.CollectiveRpcRequest, eng: EngineDep):
     path = req.kwargs.get("weights_path")
     if path is not None and not isinstance(path, str):
         raise RequestError("kwargs.weights_path must be a string path", param="weights_path")
+    label = req.kwargs.get("weight_version")
+    if label is not None and (req.method != RELOAD_METHOD or not isinstance(label, str)):
+        raise RequestError(f"kwargs.weight_version must be a string, and only {RELOAD_METHOD} takes it "
+                           "(reload_weights leaves the label to POST /update_weight_version)", param="weight_version")
     started = time.perf_counter()
-    loaded = await eng.reload_weights(path)
+    loaded = await eng.reload_weights(path, weight_version=label)
     if req.method == "reload_weights":
         return {"results": [None]}
     # The CPU engine multiplies by its parameters directly: there is nothing to repack.
     return {"results": [{"weights_path": str(path or eng.model_path),
                          "seconds": round(time.perf_counter() - started, 4),
                          "repacked": [], "reprocessed": 0,
-                         "applied": loaded["applied"], "delta": loaded["delta"]}]}
+                         "applied": loaded["applied"], "delta": loaded["delta"],
+                         **({"weight_version": label} if label is not None else {})}]}
+
+
+@router.get("/server_info")
+async def server_info():
+    return {"tandem": {"server": "cpu", "reload_method": RELOAD_METHOD, "relabels_on_reload": True}}
 
 
 @router.post("/update_weight_version")

@@ -88,6 +88,9 @@ class Server:
     resyncs: int = 0
     reload_method: str | None = None  # collective_rpc method that reloads its weights (weight_sync.py)
     plain_vllm: bool = False  # with reload_method: vLLM without Tandem's worker extension (no delta versions)
+    # With reload_method: its reload takes the version label and swaps both between two steps
+    # (Tandem's CPU server), so a sync is one request: no pause, relabel or resume around it.
+    relabels_on_reload: bool = False
     # The LoRA adapter its version is served through (shared/adapters.py), None for full weights:
     # every request sent to it then names the adapter as its `model`.
     adapter: str | None = None

@@ -11,6 +11,10 @@ Requests frozen by the pause continue on the new weights after resume, and vLLM'
 happened before it, and is retried until it succeeds: a server must never be left paused.
 While a server syncs, new requests go elsewhere.
 
+A server whose reload relabels too (Tandem's CPU server says so at GET /server_info) swaps
+weights and label between two of its steps: its sync is that one request, then the probe. Its
+requests in flight continue on the new weights exactly as after a pause(keep) and resume.
+
 Versions are labelled with the decimal string of the integer version.
 
 A LoRA adapter (`adapter=True`, shared/adapters.py) is loaded with vLLM's
@@ -223,24 +227,30 @@ class WeightSync:
         """The collective_rpc method that reloads weights on `server`, asked without side effects:
         vLLM in dev mode describes its configuration at GET /server_info, and one started with
         Tandem's worker extension (the CPU build, see services/inference/vllm_ext.py) must be
-        reloaded through it; vLLM without it, and Tandem's CPU server (no /server_info), take
-        vLLM's `reload_weights`. Remembered until the server restarts."""
+        reloaded through it; vLLM without it takes vLLM's `reload_weights`. Tandem's CPU server
+        answers with its own `tandem` entry (routes/weights.py): `tandem_reload_weights`, which
+        relabels as it reloads. A server without /server_info takes `reload_weights`.
+        Remembered until the server restarts."""
         if server.reload_method is None:
             method = "reload_weights"
-            plain_vllm = False
+            plain_vllm = relabels = False
             try:
                 reply = await self.pool.http.get(server.url + "/server_info?config_format=json",
                                                  timeout=self.step_timeout)
                 if reply.status_code == 200:
-                    parallel = ((reply.json() or {}).get("vllm_config") or {}).get("parallel_config") or {}
-                    if parallel.get("worker_extension_cls") == EXTENSION_CLS:
+                    info = reply.json() or {}
+                    tandem = info.get("tandem") or {}
+                    parallel = (info.get("vllm_config") or {}).get("parallel_config") or {}
+                    if tandem.get("reload_method") == RELOAD_METHOD:
+                        method, relabels = RELOAD_METHOD, tandem.get("relabels_on_reload") is True
+                    elif parallel.get("worker_extension_cls") == EXTENSION_CLS:
                         method = RELOAD_METHOD
                     else:
                         plain_vllm = True
             except (TransportError, ValueError, AttributeError):
                 pass  # asked again at the next sync: the reload itself will say what is wrong
             else:
-                server.reload_method, server.plain_vllm = method, plain_vllm
+                server.reload_method, server.plain_vllm, server.relabels_on_reload = method, plain_vllm, relabels
             return method
         return server.reload_method
 
@@ -283,12 +293,16 @@ class WeightSync:
         except ValueError as exc:
             return probe_failed(probe, str(exc))
 
-    async def _load(self, server: Server, checkpoint_path: str, adapter: bool) -> None:
-        """The reload step proper: the adapter under the run's name, or full weights."""
+    async def _load(self, server: Server, checkpoint_path: str, adapter: bool, label: int | None = None) -> None:
+        """The reload step proper: the adapter under the run's name, or full weights (with
+        `label`, relabelled by the same request: only where `relabels_on_reload`)."""
         if not adapter:
             method = await self.reload_method(server)
+            kwargs: dict[str, Any] = {"weights_path": checkpoint_path}
+            if label is not None:
+                kwargs["weight_version"] = str(label)
             await self._call(server, "reload_weights", "POST", "/collective_rpc", timeout=self.reload_timeout,
-                             json={"method": method, "kwargs": {"weights_path": checkpoint_path}})
+                             json={"method": method, "kwargs": kwargs})
             return
         try:
             await self._call(server, "load_lora_adapter", "POST", LOAD_PATH, timeout=self.reload_timeout,
@@ -303,34 +317,45 @@ class WeightSync:
                     "with --enable-lora")) from None
             raise
 
+    async def _pause_load_label(self, server: Server, version: int, checkpoint_path: str, adapter: bool,
+                                pause_mode: str) -> None:
+        """pause -> reload -> label and cache reset (a SyncStepError says at which step it
+        stopped; the caller resumes in any case)."""
+        # The record says until when the pause is ours (liveness.py, other replicas). Written
+        # beside the pause, not before it: another replica resumes a pause only after
+        # paused_grace without such a record, and an fsynced write on every version's
+        # path costs what the demo's whole step can spare.
+        # A "wait" pause lasts until the requests in flight finish: each is bounded by request_timeout.
+        await gather_first_error(
+            self.record(server),
+            self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode},
+                       timeout=max(self.step_timeout, self.pool.request_timeout) if pause_mode == "wait"
+                       else self.step_timeout))
+        await self._load(server, checkpoint_path, adapter)
+        await self._label_and_reset(server, version)
+
     async def _sync_server(self, server: Server, version: int, checkpoint_path: str,
                            probe: Probe | None, adapter: bool) -> SyncResult:
         started = time.monotonic()
         server.hold(True)
         error: SyncStepError | None = None
-        paused = False
         checked: ProbeResult | None = None
         probing: asyncio.Task | None = None
         # Requests in flight on a server that has no adapter yet name the base model: let them
         # finish on it rather than continue on the base under the adapter's version label.
         pause_mode = "wait" if adapter and server.adapter is None else "keep"
+        swap = False  # one request loads and relabels: nothing paused, nothing to resume
         try:
             try:
                 if not adapter:
                     await self.check_delta(server, checkpoint_path)  # before pausing it for nothing
-                # The record says until when the pause is ours (liveness.py, other replicas). Written
-                # beside the pause, not before it: another replica resumes a pause only after
-                # paused_grace without such a record, and an fsynced write on every version's
-                # path costs what the demo's whole step can spare.
-                # A "wait" pause lasts until the requests in flight finish: each is bounded by request_timeout.
-                await gather_first_error(
-                    self.record(server),
-                    self._call(server, "pause", "POST", "/pause", params={"mode": pause_mode},
-                               timeout=max(self.step_timeout, self.pool.request_timeout) if pause_mode == "wait"
-                               else self.step_timeout))
-                paused = True
-                await self._load(server, checkpoint_path, adapter)
-                await self._label_and_reset(server, version)
+                    await self.reload_method(server)  # asked once per server: whether it swaps
+                    swap = server.relabels_on_reload
+                if swap:
+                    # Weights and label change between two of its steps, in one request.
+                    await self._load(server, checkpoint_path, adapter, label=version)
+                else:
+                    await self._pause_load_label(server, version, checkpoint_path, adapter, pause_mode)
                 if probe is not None:
                     # Still no work for it (syncing): first show that it computes the trainer's
                     # numbers. Sent before the resume, which a paused server queues it behind
@@ -343,9 +368,11 @@ class WeightSync:
                 # Even when pause itself failed, the server may have paused: resume regardless,
                 # in a task of its own, so a cancelled sync (a request cut off by shutdown) still
                 # resumes, and shutdown() can wait for it. Not a sync abandoned because the server
-                # stopped answering: its re-sync resumes it once it answers.
+                # stopped answering: its re-sync resumes it once it answers. (A swap paused nothing.)
                 resumed = False
-                if not self._cuts.cut(asyncio.current_task()):
+                if swap:
+                    resumed = not self._cuts.cut(asyncio.current_task())
+                elif not self._cuts.cut(asyncio.current_task()):
                     resuming = self._track(self._resuming, asyncio.create_task(
                         self.resume(server), name=f"resume-after-sync-{server.url}"))
                     resumed = await asyncio.shield(resuming)
@@ -385,7 +412,7 @@ class WeightSync:
         server.last_error = f"weight sync to version {version} failed at {message}"
         server.note(server.last_error)
         await self.record(server)
-        log.error("weight sync of %s failed: %s (paused=%s)", server.url, message, paused)
+        log.error("weight sync of %s failed: %s", server.url, message)
         client_error = bool(error and error.status is not None and 400 <= error.status < 500
                             and error.step in ("reload_weights", "load_lora_adapter"))
         unreachable = error is not None and error.status is None
