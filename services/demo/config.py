@@ -132,6 +132,10 @@ class DemoSettings(TrackingSettings):
     torch_threads: int = Field(
         default=1, ge=1, description="torch threads per child: inference and trainer overlap, so one core each"
     )
+    preload: bool = Field(
+        default=True, description="import torch and transformers once, in the demo, and fork the CPU inference "
+        "server and the native trainer from it (services/demo/forking.py): each would otherwise spend ~4.5 s of CPU "
+        "importing them; --no-preload starts them as fresh interpreters")
     startup_timeout: float = Field(
         default=180.0, gt=0,
         description="seconds each child may take to answer /health (vLLM gets at least 600: it compiles on first start)")

@@ -4,10 +4,10 @@
 
 1. Prepares a fresh `run_dir` (refusing a non-empty directory it did not create) and
    writes a new model there with `init_model` (or uses `--model`).
-2. Starts, each as its own `tandem <command>` process logging to `run_dir/logs/<name>.log`:
-   the CPU inference server, the sampler (which starts the embedded Redis under
-   `run_dir/redis`) and, once both answer /health, the trainer. Ports are free ports
-   unless given. The batch shape is derived once here, so the trainer's
+2. Starts, each as its own `tandem <command>` process logging to `run_dir/logs/<name>.log`,
+   the sampler (which starts the embedded Redis under `run_dir/redis`), the CPU inference
+   server and the trainer, the last two forked after torch loaded once (forking.py). Ports
+   are free unless given. The batch shape is derived once here, so the trainer's
    `per_device_batch_size * grad_accum_steps` always equals the sampler's
    `prompts_per_step * num_generations`. One token closes the run (every route of the
    sampler and the inference server but /health): TANDEM_API_TOKEN when set, else a random
@@ -48,6 +48,8 @@ from typing import Any, TextIO
 import httpx
 
 from services.demo.config import DemoSettings
+from services.demo.display import Display, MetricsTail
+from services.demo.forking import ForkedChild, limit_threads, preload
 from services.demo.processes import Child, ChildDied, free_port, pid_alive, stop_pid, wait_healthy
 from services.procs import local_url
 from shared.token_guard import bearer_headers, dashboard_url
@@ -117,94 +119,6 @@ def _tandem(command: str, **flags: Any) -> list[str]:
     return argv
 
 
-class MetricsTail:
-    """Reads the trainer's JSONL metrics as they grow (complete lines only)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._offset = 0
-        self.steps: list[dict[str, Any]] = []
-        self.evals: list[dict[str, Any]] = []
-
-    def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        records = []
-        for line in data[:end].splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == "step":
-                self.steps.append(record)
-            elif record.get("event") == "eval":
-                self.evals.append(record)
-            records.append(record)
-        return records
-
-
-class Display:
-    """A rich progress bar on a terminal; a plain line every ~10% of the steps otherwise."""
-
-    def __init__(self, total: int, out: TextIO, enabled: bool):
-        self.total = total
-        self.out = out
-        self.enabled = enabled
-        self.last_eval: str = "-"
-        self._bar = None
-        self._every = max(1, total // 10)
-        if enabled and out.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._bar = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.description}"),
-                                 console=Console(file=out))
-            self._task = self._bar.add_task("waiting for the first batch", total=total)
-            self._bar.start()
-
-    def _print(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.console.print(text, highlight=False)
-        elif self.enabled:
-            print(text, file=self.out, flush=True)
-
-    def update(self, record: dict[str, Any]) -> None:
-        if record.get("event") == "eval":
-            reward = record.get("reward")
-            self.last_eval = f"{reward:.2f}" if isinstance(reward, (int, float)) else "failed"
-            self._print(f"eval ({record.get('label')}, version {record.get('version')}): "
-                        f"greedy reward {self.last_eval}")
-            return
-        if record.get("event") != "step":
-            return
-        done = int(record["step"]) + 1
-        line = (f"reward {record.get('reward_mean', 0.0):.2f}  eval {self.last_eval}  "
-                f"stale {record.get('staleness_mean', 0.0):.2f}  wait {record.get('batch_wait_s', 0.0):.2f}s  "
-                f"train {record.get('train_s', 0.0):.2f}s")
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, description=line)
-        elif done % self._every == 0 or done == self.total:
-            self._print(f"step {done}/{self.total}  {line}")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-
-
 class Demo:
     def __init__(self, settings: DemoSettings, out: TextIO | None = None):
         self.s = settings
@@ -238,8 +152,9 @@ class Demo:
         tmp.write_text(json.dumps({"demo": os.getpid(), "children": info}, indent=2))
         os.replace(tmp, self.run_dir / "processes.json")
 
-    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
-        child = Child(name, argv, self.run_dir / "logs" / f"{name}.log", env)
+    def _start(self, name: str, argv: list[str], env: dict[str, str], forked: bool = False) -> Child:
+        log = self.run_dir / "logs" / f"{name}.log"
+        child = ForkedChild(name, argv, log, env) if forked else Child(name, argv, log, env)
         self.children[name] = child
         self._record_processes()
         return child
@@ -319,6 +234,26 @@ class Demo:
             stop_pid(self.redis_pid, 0 if self.hurry else 10.0, expect="redis-server")
         return codes
 
+    def _start_torch_children(self, model_dir: Path, threads: int, token: str) -> tuple[Child, Child]:
+        """The inference server and the trainer: forked from this process once it imported torch
+        (forking.py) where it can, fresh interpreters otherwise."""
+        s = self.s
+        # While the sampler starts on the other core: torch and transformers, once for both.
+        fork_inference, fork_trainer = s.preload and s.backend == "cpu", s.preload and s.trainer == "native"
+        if (fork_inference or fork_trainer) and not preload(model_dir, threads):
+            self.say("note: a thread started as torch loaded (torch_threads > 1?): children start afresh")
+            fork_inference = fork_trainer = False
+        inference = self._start("inference", _tandem(
+            "inference", model=model_dir, host=s.host, port=self.inference_port,
+            served_model_name=SERVED_MODEL_NAME, seed=s.seed, run_dir=self.run_dir, log_level=s.log_level,
+            backend=s.backend, torch_threads=threads if s.backend == "cpu" else None,
+            # A LoRA run's versions are adapters: the server must load them at run time.
+            enable_lora=True if s.lora_rank else None, max_lora_rank=max(16, s.lora_rank) if s.lora_rank else None,
+        ), _child_env(threads, {"TANDEM_API_TOKEN": token}), forked=fork_inference)
+        trainer = self._start("trainer", self._trainer_argv(model_dir),
+                              _child_env(threads, {"TANDEM_API_TOKEN": token}), forked=fork_trainer)
+        return inference, trainer
+
     # -- the run ------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -333,6 +268,8 @@ class Demo:
         token = s.api_token or secrets.token_urlsafe(16)
         self.token = token
         threads = s.torch_threads
+        if s.preload:
+            limit_threads(threads)
         try:
             sampler = self._start("sampler", _tandem(
                 "sampler", host=s.host, port=self.sampler_port, run_dir=self.run_dir,
@@ -351,17 +288,8 @@ class Demo:
 
                 model_dir = init_model(self.run_dir / "model", preset=s.preset, seed=s.seed)
                 self.say(f"fresh {s.preset} model (seed {s.seed}) in {model_dir}")
-            inference = self._start("inference", _tandem(
-                "inference", model=model_dir, host=s.host, port=self.inference_port,
-                served_model_name=SERVED_MODEL_NAME, seed=s.seed, run_dir=self.run_dir, log_level=s.log_level,
-                backend=s.backend, torch_threads=threads if s.backend == "cpu" else None,
-                # A LoRA run's versions are adapters: the server must load them at run time.
-                enable_lora=True if s.lora_rank else None, max_lora_rank=max(16, s.lora_rank) if s.lora_rank else None,
-            ), _child_env(threads, {"TANDEM_API_TOKEN": token}))
-            trainer = self._start("trainer", self._trainer_argv(model_dir),
-                                  _child_env(threads, {"TANDEM_API_TOKEN": token}))
-            # The three start together: their start-up is mostly imports, and the trainer's
-            # client retries the sampler's /status (for 120 s) until the sampler answers.
+            inference, trainer = self._start_torch_children(model_dir, threads, token)
+            # The trainer's client retries the sampler's /status (for 120 s) until it answers.
             self.say(f"started inference (pid {inference.pid}) on {self.inference_url}, sampler "
                      f"(pid {sampler.pid}) on {self.sampler_url}, trainer (pid {trainer.pid})")
             wait_healthy(f"{self.inference_url}/health", inference,
