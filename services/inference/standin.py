@@ -76,6 +76,8 @@ class StandInState:
     # engine. Unlike a pause, the sampler's own weight syncs (pause ... resume) do not undo it.
     running: asyncio.Event = field(default_factory=asyncio.Event)
     max_model_len: int = 4096
+    relabels_on_reload: bool = False  # answer as Tandem's CPU server does: one reload relabels
+    reloading: int = 0  # reloads in progress (drills catch a sync in its reload)
     # X-Session-ID header -> completion requests that carried it (session affinity tests).
     sessions: dict[str, int] = field(default_factory=dict)
     # Test hook: the request that is the `hold_request`-th of its session waits, before its
@@ -344,20 +346,36 @@ def _control_routes(app: FastAPI) -> None:
     async def is_paused(request: Request) -> dict[str, bool]:
         return {"is_paused": st(request).paused}
 
+    @app.get("/server_info")
+    async def server_info(request: Request) -> dict[str, Any]:
+        # As Tandem's CPU server answers it in --relabels-on-reload mode; otherwise no such route.
+        if not st(request).relabels_on_reload:
+            raise HTTPException(404, "Not Found")
+        return {"tandem": {"server": "standin", "reload_method": "tandem_reload_weights", "relabels_on_reload": True}}
+
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> dict[str, Any]:
-        body = await request.json()
-        if body.get("method") != "reload_weights":
-            raise HTTPException(400, f"unsupported method {body.get('method')!r}")
-        path = (body.get("kwargs") or {}).get("weights_path")
+        body, s = await request.json(), st(request)
+        method, kwargs = body.get("method"), body.get("kwargs") or {}
+        if method != "reload_weights" and not (s.relabels_on_reload and method == "tandem_reload_weights"):
+            raise HTTPException(400, f"unsupported method {method!r}")
+        path = kwargs.get("weights_path")
         if not path or path.endswith("does-not-exist"):
             return _error(400, f"cannot load weights from {path!r}")
-        if st(request).reload_delay:
-            await asyncio.sleep(st(request).reload_delay)
-        st(request).reloads.append(path)
-        if not st(request).stale_reloads:
-            st(request).weights = path
-        return {"results": [None]}
+        s.reloading += 1
+        try:
+            if s.reload_delay:
+                await asyncio.sleep(s.reload_delay)
+        finally:
+            s.reloading -= 1
+        s.reloads.append(path)
+        if not s.stale_reloads:
+            s.weights = path
+        if method == "reload_weights":
+            return {"results": [None]}
+        if kwargs.get("weight_version") is not None:  # the label moves with the weights
+            s.version = str(kwargs["weight_version"])
+        return {"results": [{"weights_path": path, "weight_version": kwargs.get("weight_version")}]}
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> dict[str, Any]:
@@ -423,15 +441,18 @@ def _hook_routes(app: FastAPI) -> None:
         s = st(request)
         return {"requests": s.requests, "reloads": s.reloads, "version": s.version, "paused": s.paused,
                 "sessions": s.sessions, "held": s.held, "tokenize_requests": s.tokenize_requests,
-                "weights": s.weights}
+                "weights": s.weights, "reloading": s.reloading}
 
 
-def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token: str | None = None) -> FastAPI:
+def create_standin_app(token_latency: float = 0.0, version: str = "0", api_token: str | None = None,
+                       relabels_on_reload: bool = False) -> FastAPI:
     """`api_token`: guard every route but /health with it, as the real servers do (the
-    `/_standin/*` hooks too)."""
+    `/_standin/*` hooks too). `relabels_on_reload`: GET /server_info and tandem_reload_weights
+    as Tandem's CPU server has them (its sync is one request, no pause)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield {"standin": StandInState(token_latency=token_latency, version=version)}
+        yield {"standin": StandInState(token_latency=token_latency, version=version,
+                                       relabels_on_reload=relabels_on_reload)}
 
     app = FastAPI(title="Tandem inference stand-in", lifespan=lifespan)
     _openai_routes(app)
@@ -451,9 +472,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--version", default="0")
     parser.add_argument("--api-token", default=os.environ.get(TOKEN_ENV) or None,
                         help=f"guard every route but /health (default: {TOKEN_ENV})")
+    parser.add_argument("--relabels-on-reload", action="store_true", help="sync in one request, as the CPU server")
     args = parser.parse_args(argv)
-    uvicorn.run(create_standin_app(args.token_latency, args.version, args.api_token), host=args.host, port=args.port,
-                log_level="warning")
+    app = create_standin_app(args.token_latency, args.version, args.api_token, args.relabels_on_reload)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ The stack: two stand-in inference servers as processes (reloads take 0.3 s, so a
 is long enough to be caught in), an external Redis, the sampler, and a trainer that publishes a
 checkpoint every step, so every version is synced. The run number picks the frozen process
 (an inference server, Redis, the sampler), the moment (mid-batch: while a batch is being
-built; mid-sync: while a weight sync holds a server paused) and how long it stays frozen
+built; mid-sync: while a weight sync holds a server paused; mid-swap: while a server that
+syncs in one request loads a version) and how long it stays frozen
 (FREEZES). What every run checks:
 
 * while Redis is frozen, `GET /batch?timeout=1` answers 204 or 503 within its timeout + a few
@@ -46,7 +47,9 @@ from tests.reliability.support import (
 from tests.support.servers import start_sampler_process
 
 TARGETS = ("inference", "redis", "sampler")
-MOMENTS = ("mid-batch", "mid-sync")
+# mid-swap: while a server that syncs in one request (the CPU server's way, stand-ins started
+# --relabels-on-reload) is loading; mid-sync: while a pause -> ... -> resume sync holds one paused.
+MOMENTS = ("mid-batch", "mid-sync", "mid-swap")
 FREEZES = (2.0, 4.0, 7.0)
 STEPS = 16
 CHECK_TIMEOUT = 2.0  # the sampler's server_check_timeout here
@@ -76,7 +79,8 @@ class _Said(logging.Handler):
 def hang_drill(tmp: Path, cleanup: Cleanup, target: str, moment: str, frozen_for: float) -> dict[str, Any]:
     token = run_token()
     auth = bearer_headers(token)
-    servers = [start_standin_process(tmp, cleanup, token_latency=0.02, api_token=token) for _ in range(2)]
+    servers = [start_standin_process(tmp, cleanup, token_latency=0.02, api_token=token,
+                                     relabels_on_reload=moment == "mid-swap") for _ in range(2)]
     for server in servers:
         httpx.post(f"{server.url}/_standin/configure", json={"reload_delay": 0.3}, headers=auth, timeout=10)
     redis_proc, redis_url = start_redis_at(tmp / "redis", cleanup=cleanup)
@@ -101,6 +105,9 @@ def hang_drill(tmp: Path, cleanup: Cleanup, target: str, moment: str, frozen_for
         if moment == "mid-sync":
             syncing = wait_for(lambda: next((s for s in servers if paused(s.url)), None), 60,
                                "a weight sync to pause a server", interval=0.01)
+        elif moment == "mid-swap":
+            syncing = wait_for(lambda: next((s for s in servers if http.get(f"{s.url}/_standin/stats").json()[
+                "reloading"]), None), 60, "a server loading a version", interval=0.01)
         else:
             wait_for(lambda: http.get(f"{sampler.url}/status").json()["steps"]["in_progress"], 60,
                      "a batch being built", interval=0.01)

@@ -20,7 +20,8 @@ Drills:
 * `external` / `embedded` (tests/reliability/test_redis_crash.py): Redis killed -9 after the
   trainer's third step, restarted by the drill (external) or the sampler's watchdog (embedded).
 * `hang` (tests/reliability/hang_drill.py): an inference server, Redis or the sampler frozen
-  with SIGSTOP mid-batch or mid-sync for 2-7 s, then thawed; the run number picks which, when
+  with SIGSTOP mid-batch, mid-sync (a server paused) or mid-swap (a one-request sync loading)
+  for 2-7 s, then thawed; the run number picks which, when
   and how long. Each run checks long polls stay bounded, every step arrives once, every version
   is published once, and no server is left paused or out of rotation.
 

@@ -125,14 +125,15 @@ def start_redis_at(data_dir: Path, port: int | None = None, cleanup: Cleanup | N
 
 
 def start_standin_process(log_dir: Path, cleanup: Cleanup, token_latency: float = 0.0,
-                          port: int | None = None, api_token: str | None = None) -> ServiceProcess:
+                          port: int | None = None, api_token: str | None = None,
+                          relabels_on_reload: bool = False) -> ServiceProcess:
     """The inference stand-in as its own process, so that it can be killed -9 (and started
     again on the same `port`: a fresh process, labelled version "0", as a restarted server is).
     `api_token` reaches it in its environment (TANDEM_API_TOKEN), never on its command line."""
     port = port or free_port()
     proc = ServiceProcess(
         [sys.executable, "-m", "services.inference.standin", "--port", str(port),
-         "--token-latency", str(token_latency)],
+         "--token-latency", str(token_latency), *(["--relabels-on-reload"] if relabels_on_reload else [])],
         name="standin", log_path=log_dir / f"standin-{port}.log", ready_url=f"http://127.0.0.1:{port}/health",
         env={TOKEN_ENV: api_token} if api_token else None,
     )

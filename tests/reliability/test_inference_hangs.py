@@ -36,10 +36,12 @@ def _sampler(make_sampler, urls: list[str], **settings):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("relabels", [False, True], ids=["pause-reload-resume", "one-request-swap"])
 def test_a_frozen_server_is_cut_off_and_the_publication_answers(tmp_path: Path, make_sampler,
-                                                                cleanup: Cleanup) -> None:
-    a = start_standin_process(tmp_path, cleanup, token_latency=0.002)
-    b = start_standin_process(tmp_path, cleanup, token_latency=0.002)
+                                                                cleanup: Cleanup, relabels: bool) -> None:
+    """Either sync: vLLM's pause -> reload -> label -> resume, or the CPU server's one-request swap."""
+    a = start_standin_process(tmp_path, cleanup, token_latency=0.002, relabels_on_reload=relabels)
+    b = start_standin_process(tmp_path, cleanup, token_latency=0.002, relabels_on_reload=relabels)
     sampler = _sampler(make_sampler, [a.url, b.url])
     with httpx.Client(base_url=sampler.url, timeout=60) as http:
         for step in (0, 1):
