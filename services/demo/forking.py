@@ -136,7 +136,9 @@ def _run_child(args: list[str], log_path: Path, env: dict[str, str]) -> NoReturn
         os.setsid()  # as Child's start_new_session: a Ctrl-C in the terminal reaches only the demo
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
         log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)

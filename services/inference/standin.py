@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.inference import standin_generate
 from services.inference.standin_chat import ChatTemplateError, render_chat_text
+from services.inference.vllm_ext import RELABELS, RELOAD_METHOD
 from shared.token_guard import TOKEN_ENV, TokenGuard
 
 ALPHABET = "0123456789abcdefghij "
@@ -351,13 +352,13 @@ def _control_routes(app: FastAPI) -> None:
         # As Tandem's CPU server answers it in --relabels-on-reload mode; otherwise no such route.
         if not st(request).relabels_on_reload:
             raise HTTPException(404, "Not Found")
-        return {"tandem": {"server": "standin", "reload_method": "tandem_reload_weights", "relabels_on_reload": True}}
+        return {"tandem": {"server": "standin", **RELABELS}}
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> dict[str, Any]:
         body, s = await request.json(), st(request)
         method, kwargs = body.get("method"), body.get("kwargs") or {}
-        if method != "reload_weights" and not (s.relabels_on_reload and method == "tandem_reload_weights"):
+        if method != "reload_weights" and not (s.relabels_on_reload and method == RELOAD_METHOD):
             raise HTTPException(400, f"unsupported method {method!r}")
         path = kwargs.get("weights_path")
         if not path or path.endswith("does-not-exist"):

@@ -89,6 +89,8 @@ from typing import Any
 
 EXTENSION_CLS = "services.inference.vllm_ext.TandemWorkerExtension"
 RELOAD_METHOD = "tandem_reload_weights"
+# GET /server_info's "tandem" entry (with "server") of a server whose RELOAD_METHOD relabels too (weight_sync.py)
+RELABELS = {"reload_method": RELOAD_METHOD, "relabels_on_reload": True}
 LORA_FIXES_METHOD = "tandem_lora_fixes"
 LORA_FIXES = ("inplace_once", "inplace_rollback", "prompt_logprobs")
 DELTA_FILE = "delta.safetensors"  # shared.weights_delta.DELTA_FILE, which imports nothing at module level either

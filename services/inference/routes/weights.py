@@ -29,7 +29,7 @@ from fastapi import APIRouter, Query
 from services.inference import protocol as P
 from services.inference.deps import EngineDep
 from services.inference.request_error import RequestError
-from services.inference.vllm_ext import RELOAD_METHOD
+from services.inference.vllm_ext import RELABELS, RELOAD_METHOD
 
 router = APIRouter(tags=["weights"])
 
@@ -83,7 +83,7 @@ async def collective_rpc(req: P.CollectiveRpcRequest, eng: EngineDep):
 
 @router.get("/server_info")
 async def server_info():
-    return {"tandem": {"server": "cpu", "reload_method": RELOAD_METHOD, "relabels_on_reload": True}}
+    return {"tandem": {"server": "cpu", **RELABELS}}
 
 
 @router.post("/update_weight_version")

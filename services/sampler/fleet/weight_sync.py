@@ -349,8 +349,9 @@ class WeightSync:
             try:
                 if not adapter:
                     await self.check_delta(server, checkpoint_path)  # before pausing it for nothing
-                    await self.reload_method(server)  # asked once per server: whether it swaps
-                    swap = server.relabels_on_reload
+                    # Asked once per server start. The flag counts only with the method it came with:
+                    # after a restart whose /server_info went unanswered the method is vLLM's again.
+                    swap = await self.reload_method(server) == RELOAD_METHOD and server.relabels_on_reload
                 if swap:
                     # Weights and label change between two of its steps, in one request.
                     await self._load(server, checkpoint_path, adapter, label=version)
