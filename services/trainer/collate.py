@@ -54,6 +54,9 @@ class MicroBatch:
     advantages: torch.Tensor
     tokens_per_sequence: torch.Tensor
     indices: list[int]  # positions of these samples in the original batch
+    # False for rows that cannot move the weights (learner.py, `carrying_split`): forwarded
+    # for the metrics without building a graph, never backpropagated.
+    carries_gradient: bool = True
 
     @property
     def size(self) -> int:
@@ -70,6 +73,14 @@ class MicroBatch:
             for name, value in self.__dict__.items()
         }
         return MicroBatch(**moved)
+
+    def rows(self, keep: Sequence[int], carries_gradient: bool) -> MicroBatch:
+        """The micro-batch of rows `keep` (positions in this one), on the same window."""
+        at = torch.tensor(list(keep), dtype=torch.long)
+        fields = {name: (value.index_select(0, at) if isinstance(value, torch.Tensor) else value)
+                  for name, value in self.__dict__.items()}
+        fields.update(indices=[self.indices[k] for k in keep], carries_gradient=carries_gradient)
+        return MicroBatch(**fields)
 
 
 def validate_sample(sample: Sample, index: int) -> None:

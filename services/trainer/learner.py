@@ -134,6 +134,27 @@ def forward_logprobs_outside(model: Any, mb: MicroBatch, temperature: float, chu
     return truncated_token_logprobs(logits, mb.targets, temperature, chunk_size=chunk_size, truncation=truncation)
 
 
+def carrying_split(micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+    """Each micro-batch as its rows that can move the weights and, apart, those that cannot.
+
+    Without a KL term every loss term of a row is multiplied by its advantage, so a row whose
+    advantage is 0 adds exactly 0 to the gradient, yet its backward costs about twice its
+    forward. Such rows are forwarded without a graph: the metrics, the normaliser and the
+    corrections still see the whole batch, and the gradient is the same sum. Early in a run
+    (nothing solved yet) and late (everything solved) most groups are like that."""
+    out: list[MicroBatch] = []
+    for mb in micro_batches:
+        silent = (mb.advantages == 0).tolist()
+        if not any(silent):
+            out.append(mb)
+            continue
+        carrying = [k for k, quiet in enumerate(silent) if not quiet]
+        if carrying:
+            out.append(mb.rows(carrying, carries_gradient=True))
+        out.append(mb.rows([k for k, quiet in enumerate(silent) if quiet], carries_gradient=False))
+    return out
+
+
 class Learner:
     def __init__(
         self,
@@ -236,7 +257,8 @@ class Learner:
                     new_ref.append(ref_k)
             # Under fsdp every backward reduce-scatters its gradients into the shards: deferring
             # that to the last micro-batch would keep a full float32 gradient on every rank.
-            with torch.set_grad_enabled(backward):
+            grad = backward and mb.carries_gradient
+            with torch.set_grad_enabled(grad):
                 logp, outside = self._logprobs(self.model, mb)
             old_k = old[k] if old is not None else logp.detach()
             new_old.append(old_k)
@@ -248,7 +270,7 @@ class Learner:
                 importance_sampling_level=cfg.importance_sampling_level,
                 correction=correction, max_completion_length=cfg.max_completion_length,
             )
-            if backward:
+            if grad:
                 out.loss.backward()
             else:
                 self.sharding.reshard(self.model)
@@ -305,6 +327,9 @@ class Learner:
         self.model.train(self.train_mode)
         micro_batches = split_micro_batches(samples, grad_accum_steps, self.pad_token_id,
                                             mask_truncated=self.cfg.mask_truncated_completions)
+        if not self.cfg.beta and self.sharding.kind != "fsdp":
+            # (fsdp: every forward is collective, so every rank must run as many.)
+            micro_batches = carrying_split(micro_batches)
         groups = None
         if step is not None:
             last = len(STALENESS_GROUPS) - 1

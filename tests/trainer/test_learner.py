@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from services.trainer.collate import collate, split_micro_batches
-from services.trainer.learner import Learner, LossConfig, forward_logprobs
+from services.trainer import learner as learner_module
+from services.trainer.learner import Learner, LossConfig, carrying_split, forward_logprobs
 from tests.trainer.conftest import make_samples
 
 
@@ -117,6 +118,65 @@ def test_a_batch_without_advantage_signal_does_not_move_the_weights(base_model) 
     samples[3] = samples[3].model_copy(update={"advantage": 0.5})
     metrics = learner.train_on_samples(samples, grad_accum_steps=2, lr=1e-2)
     assert metrics["skipped_no_signal"] == 0.0 and metrics["grad_norm"] > 0
+
+
+def _some_silent(samples):
+    """Every other sample without advantage (a group all right, or all wrong)."""
+    return [s.model_copy(update={"advantage": 0.0}) if i % 2 else s for i, s in enumerate(samples)]
+
+
+def test_rows_without_advantage_are_split_off_and_never_backpropagated(base_model) -> None:
+    samples = _some_silent(make_samples(8, seed=4))
+    parts = carrying_split(split_micro_batches(samples, 2))
+    carrying = sorted(i for p in parts if p.carries_gradient for i in p.indices)
+    silent = sorted(i for p in parts if not p.carries_gradient for i in p.indices)
+    assert carrying == [0, 2, 4, 6] and silent == [1, 3, 5, 7]
+    for p in parts:  # each part's rows are its samples' rows, on the same window
+        for row, i in enumerate(p.indices):
+            assert float(p.advantages[row]) == pytest.approx(samples[i].advantage, rel=1e-6)
+            assert p.input_ids[row, 0] == samples[i].prompt_token_ids[0]
+    # A micro-batch with nothing to split off stays as it was.
+    whole = split_micro_batches(make_samples(4, seed=4), 1)
+    assert carrying_split(whole) == whole
+
+    # The silent rows' forward builds no graph: a backward through one would raise.
+    model = copy.deepcopy(base_model)
+    learner = _learner(model)
+    calls = []
+    real = learner._logprobs
+
+    def spy(m, mb):
+        logp, outside = real(m, mb)
+        calls.append((mb.carries_gradient, logp.requires_grad))
+        return logp, outside
+
+    learner._logprobs = spy
+    learner.train_on_samples(samples, grad_accum_steps=2)
+    assert sorted(calls) == [(False, False), (False, False), (True, True), (True, True)]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("extras", [{}, {"seq_reject_low": 0.9, "is_mode": "mask"}, {"importance_sampling_level": "sequence"}],
+                         ids=["tis", "rejection", "gspo"])
+def test_splitting_off_silent_rows_changes_neither_the_step_nor_the_metrics(base_model, monkeypatch, loss_type: str,
+                                                                           extras: dict) -> None:
+    """The same weights and the same metrics, two passes included, as forwarding every row with
+    a graph: the split only leaves out work whose gradient is exactly zero."""
+    samples = _some_silent(make_samples(12, seed=9))
+    results = []
+    for split in (True, False):
+        if not split:
+            monkeypatch.setattr(learner_module, "carrying_split", list)
+        model = copy.deepcopy(base_model).double()
+        metrics = _learner(model, loss_type=loss_type, **extras).train_on_samples(
+            samples, grad_accum_steps=3, num_iterations=2, lr=1e-2, step=1)
+        results.append((metrics, {name: p.detach().clone() for name, p in model.named_parameters()}))
+    (got, got_weights), (want, want_weights) = results
+    assert got.keys() == want.keys() and got["grad_norm"] > 0
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+    for name in want_weights:
+        torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-9, atol=1e-12)
 
 
 def test_kl_term_is_signal_without_advantages(base_model) -> None:
