@@ -219,3 +219,23 @@ def test_imports_only_the_standard_library() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     assert out == "False False"
+
+
+def test_checksums_are_the_same_on_the_calling_thread_and_in_the_pool(monkeypatch) -> None:
+    """Small states are summed on the calling thread (a pool's threads cost more than their
+    CRCs), large ones in a pool: the same checksums either way, cast included."""
+    state = _state(3, torch.float32)
+    serial = {name: wd._checksum(t, torch.bfloat16) for name, t in state.items()}
+    assert wd.checksums(state, torch.bfloat16) == serial  # a small state: on this thread
+    started = []
+    real = wd.ThreadPoolExecutor
+
+    def pool(*args, **kwargs):
+        started.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wd, "ThreadPoolExecutor", pool)
+    assert wd.checksums(state, torch.bfloat16) == serial and not started
+    monkeypatch.setattr(wd, "_POOL_MIN_BYTES", 0)  # as if it were large
+    assert wd.checksums(state, torch.bfloat16) == serial and started
+    assert len(set(serial.values())) == len(serial)  # the sums tell the tensors apart
