@@ -92,10 +92,9 @@ def _dtype_of(values: np.ndarray | list[np.ndarray]) -> np.dtype:
     return np.result_type(*set(map(_DTYPE, values))).newbyteorder("<") if values else EXT_DTYPES[1]
 
 
-def encode_chunk(cols: Columns, take: Callable[[int], Any] = alloc) -> Any:
-    """Lay `cols` out as one chunk: every number copied once, into the chunk's buffer, which
-    `take(size)` gives (any writable buffer of that size; its old bytes are all overwritten,
-    padding included, so a reused one serves: recv_buffers.RecvBuffers.take)."""
+def _layout(cols: Columns) -> tuple[bytes, list[tuple[int, np.dtype, int, Any]], int]:
+    """Where everything of `cols` goes in its chunk: the bytes before the data (prefix, header,
+    padding), each array's (offset in the data, dtype, count, values), and the data's length."""
     places: list[tuple[int, np.dtype, int, Any]] = []
     cursor = 0
 
@@ -119,11 +118,19 @@ def encode_chunk(cols: Columns, take: Callable[[int], Any] = alloc) -> Any:
     header["lists"] = cols.lists
     header["absent"] = cols.absent
     head = msgpack.packb(header, use_bin_type=True)
-    start = _pad8(_PREFIX.size + len(head))
-    buf = take(start + cursor)
+    lead = _PREFIX.pack(CHUNK_MAGIC, len(head)) + head + bytes(_pad8(_PREFIX.size + len(head)) - _PREFIX.size - len(head))
+    return lead, places, cursor
+
+
+def encode_chunk(cols: Columns, take: Callable[[int], Any] = alloc) -> Any:
+    """Lay `cols` out as one chunk: every number copied once, into the chunk's buffer, which
+    `take(size)` gives (any writable buffer of that size; its old bytes are all overwritten,
+    padding included, so a reused one serves: recv_buffers.RecvBuffers.take)."""
+    lead, places, size = _layout(cols)
+    start = len(lead)
+    buf = take(start + size)
     view = memoryview(buf).cast("B")
-    _PREFIX.pack_into(view, 0, CHUNK_MAGIC, len(head))
-    view[_PREFIX.size:start] = head + bytes(start - _PREFIX.size - len(head))
+    view[:start] = lead
     for at, dtype, count, values in places:
         if not count:
             continue
@@ -135,6 +142,39 @@ def encode_chunk(cols: Columns, take: Callable[[int], Any] = alloc) -> Any:
         end = start + at + count * dtype.itemsize
         view[end:_pad8(end)] = bytes(_pad8(end) - end)  # the padding, zero as the format says
     return buf
+
+
+# Arrays at least this large are sent as views of their own memory by `chunk_pieces`; smaller
+# ones (and headers, offsets, padding) are copied into joined bytes: fewer, larger writes.
+VIEW_BYTES = 64 << 10
+
+
+def chunk_pieces(cols: Columns, view_bytes: int = VIEW_BYTES) -> list[Any]:
+    """`encode_chunk(cols)`'s bytes as pieces to send one after the other, without laying the
+    chunk out in memory of its own: each array of at least `view_bytes` that is contiguous and
+    of its chunk dtype already (a slice of a stored chunk's column) is a view of its own memory,
+    the rest (header, offsets, small arrays, padding) is copied into bytes between them.
+    `b"".join(chunk_pieces(cols)) == bytes(encode_chunk(cols))`, always."""
+    lead, places, _ = _layout(cols)
+    out: list[Any] = []
+    small = bytearray(lead)
+    for _, dtype, count, values in places:
+        if not count:
+            continue
+        nbytes = count * dtype.itemsize
+        if (isinstance(values, np.ndarray) and values.dtype == dtype and values.flags.c_contiguous
+                and nbytes >= view_bytes):
+            if small:
+                out.append(small)
+                small = bytearray()
+            out.append(memoryview(values.view(np.uint8)))
+        else:
+            joined = values if isinstance(values, np.ndarray) else np.concatenate(values)
+            small += memoryview(np.ascontiguousarray(joined, dtype).view(np.uint8))
+        small += bytes(_pad8(nbytes) - nbytes)
+    if small:
+        out.append(small)
+    return out
 
 
 def encode_samples(samples: list[dict[str, Any]], take: Callable[[int], Any] = alloc) -> Any:
@@ -295,6 +335,13 @@ def samples_of_chunks(buffers: list[Any]) -> list[dict[str, Any]]:
 def slice_chunk(buffer: Any, start: int, stop: int, take: Callable[[int], Any] = alloc) -> Any:
     """A new chunk holding samples start..stop-1 of the chunk in `buffer` (in a buffer from `take`)."""
     return encode_chunk(slice_columns(decode_chunk(buffer), start, stop), take)
+
+
+def slice_pieces(buffer: Any, start: int, stop: int) -> list[Any]:
+    """`slice_chunk(buffer, start, stop)`'s bytes as `chunk_pieces`: its large arrays are views
+    of `buffer` (keep it unchanged until they are sent), only its header, offsets and small
+    arrays are new bytes."""
+    return chunk_pieces(slice_columns(decode_chunk(buffer), start, stop))
 
 
 # --- frames ----------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 
 from services.sampler.storage import packing
 from shared.chunks import (
-    BatchArrays, decode_chunk, decode_frame, encode_samples, frame_head, samples_of, slice_chunk,
+    BatchArrays, chunk_pieces, columns_of, decode_chunk, decode_frame, encode_samples, frame_head, samples_of,
+    slice_chunk, slice_columns, slice_pieces,
 )
 from shared.codec import ARRAY_FIELDS
 
@@ -225,6 +226,31 @@ def test_slice_chunk_of_any_range_is_those_samples(seed):
         # Slicing a slice is a slice too.
         if stop - start > 2:
             _same_samples(samples_of(decode_chunk(slice_chunk(part, 1, stop - start - 1))), want[start + 1:stop - 1])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chunk_pieces_are_the_chunk_bytes_with_large_arrays_as_views(seed):
+    """What GET /batch sends for a share's edge (slice_pieces) is exactly slice_chunk's chunk,
+    whatever goes by view and whatever is copied; the views are of the sliced chunk itself."""
+    rng = random.Random(seed)
+    samples = _random_samples(rng, 13)
+    chunk = encode_samples(samples)
+    cols = columns_of(samples)  # token fields as lists of per-sample arrays: always copied
+    for view_bytes in (0, 8, 64, 1 << 16):
+        assert b"".join(chunk_pieces(cols, view_bytes)) == bytes(chunk)
+    ranges = [(0, 13), (0, 0), (13, 13), (0, 1), (12, 13)] + [tuple(sorted(rng.sample(range(14), 2))) for _ in range(8)]
+    for start, stop in ranges:
+        want = bytes(slice_chunk(chunk, start, stop))
+        assert b"".join(slice_pieces(chunk, start, stop)) == want
+        for view_bytes in (0, 8, 64):
+            part = slice_columns(decode_chunk(chunk), start, stop)
+            pieces = chunk_pieces(part, view_bytes)
+            assert b"".join(pieces) == want, (start, stop, view_bytes)
+            if not view_bytes:  # every value array and text is sent from the chunk itself
+                stored = np.frombuffer(chunk, np.uint8)
+                shared = sum(len(p) for p in pieces if np.shares_memory(np.frombuffer(p, np.uint8), stored))
+                assert shared == sum(v.nbytes for v, _ in [*part.arrays.values(), *part.texts.values()]) + \
+                    sum(v.nbytes for v in part.numbers.values())
 
 
 def test_slice_of_a_range_where_a_key_is_absent_throughout():

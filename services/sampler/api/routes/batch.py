@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.background import BackgroundTask
 
 from services.sampler.api.deps import State
-from services.sampler.storage.packing import SealedBatch, pieces, share_chunks, share_range
+from services.sampler.storage.packing import SealedBatch, joined, pieces, share_chunks, share_range
 from services.sampler.storage.store import Store
 from shared import codec
 from shared.aio import wait_event
@@ -150,14 +150,14 @@ async def _batch_response(store: Store, batch: SealedBatch, rank: int, world_siz
                 "every sampler replica of a run must see one batch_dir at the same path (a shared filesystem), "
                 "or all must run with batch_store = redis (docs/sampler-api.md, 'How a batch is stored')")
         return None
-    chunks = share_chunks(parts, buffers)
+    chunks = share_chunks(parts, buffers)  # each as pieces: views of the stored chunks, no copy
     media_type = negotiate(accept)
     if media_type == FRAMES:
-        head = frame_head(step=batch.step, stats=batch.stats, chunk_lengths=[len(c) for c in chunks],
+        head = frame_head(step=batch.step, stats=batch.stats, chunk_lengths=[sum(map(len, c)) for c in chunks],
                           num_samples=stop - start, rank=rank, world_size=world_size)
-        return FramesResponse([head, *chunks])
+        return FramesResponse([head, *(piece for chunk in chunks for piece in chunk)])
     # The other forms are transcoded, off the event loop: a large batch takes seconds.
-    body = await asyncio.to_thread(_transcode, batch, chunks, rank, world_size, media_type)
+    body = await asyncio.to_thread(_transcode, batch, [joined(c) for c in chunks], rank, world_size, media_type)
     return Response(body, media_type=media_type)
 
 
