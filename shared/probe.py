@@ -139,3 +139,24 @@ def compare(probe: Probe, served: list[float]) -> ProbeResult:
 def failed(probe: Probe, error: str) -> ProbeResult:
     max_tol, mean_tol = probe.tolerances
     return ProbeResult(ok=False, max_tolerance=max_tol, mean_tolerance=mean_tol, error=error)
+
+
+def reload_probe(probe: Probe | None, reply: Any) -> ProbeResult | None:
+    """The probe's result from a reload's answer (`reply.json()`) that carries it: Tandem's CPU
+    server answers `tandem_reload_weights` with `probe_token_ids` in `results[0].probe`, a
+    completion's shape. None when it does not (the probe is then asked for apart)."""
+    if probe is None or reply is None:
+        return None
+    try:
+        answer = reply.json()["results"][0]["probe"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    try:
+        return compare(probe, served_logprobs(answer, probe.token_ids))
+    except ValueError as exc:
+        return failed(probe, f"the reload's inline probe: {exc}")
+
+
+async def answered(result: ProbeResult) -> ProbeResult:
+    """`result`, as a coroutine (where a probe request would otherwise be awaited)."""
+    return result

@@ -46,6 +46,7 @@ import torch
 
 from services.inference import kvcache, weights_load
 from services.inference.metrics import InferenceMetrics
+from services.inference.prompt_scoring import prompt_logprobs
 from services.inference.request_error import RequestError
 from services.inference.sampling import RowParams, sample
 from services.inference.sequences import Adapter, Adapters, Output, PromptLogprobs, SamplingParams, Sequence
@@ -249,12 +250,15 @@ class Engine:
         self._admitting = True
         self._work.set()
 
-    async def reload_weights(self, weights_path: str | Path | None = None, weight_version: str | None = None) -> dict:
+    async def reload_weights(self, weights_path: str | Path | None = None, weight_version: str | None = None,
+                             probe_ids: list[int] | None = None) -> dict:
         """What was loaded and how (weights_load.Reload.as_dict: applied delta|full|chain, ...).
         With `weight_version`, the label changes with the weights between the same two steps:
-        no token is labelled with a version that did not compute it, and no pause is needed."""
+        no token is labelled with a version that did not compute it, and no pause is needed.
+        With `probe_ids`, their prompt logprobs under the new weights (`prompt_logprobs`, the
+        base model's, as a completion would score them), before any step runs on them."""
         path = Path(weights_path) if weights_path else self.model_path
-        result = await self.exclusive(self._load_weights, path, weight_version)
+        result = await self.exclusive(self._load_weights, path, weight_version, probe_ids)
         self.stats["reloads"] += 1
         self.metrics.on_reload()
         return result
@@ -455,23 +459,8 @@ class Engine:
             seq.prompt_logprobs = done[key]
 
     def _prompt_logprobs(self, seq: Sequence, k: int) -> PromptLogprobs:
-        ids = torch.tensor([seq.prompt_ids], dtype=torch.long)
-        logits = self._forward([seq], input_ids=ids, use_cache=False).logits[0, :-1].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        targets = ids[0, 1:]
-        chosen = logprobs.gather(1, targets[:, None])
-        # vLLM's rank: how many vocabulary entries have a logprob >= the token's (1 = the argmax).
-        ranks = (logprobs >= chosen).sum(dim=1)
-        top = torch.topk(logprobs, k, dim=1) if k > 0 else None
-        out: PromptLogprobs = []
-        for i, token in enumerate(targets.tolist()):
-            entries = [(token, float(chosen[i, 0]), int(ranks[i]))]
-            if top is not None:
-                for r, (tid, lp) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist()), start=1):
-                    if tid != token:
-                        entries.append((tid, float(lp), r))
-            out.append(entries)
-        return out
+        return prompt_logprobs(lambda ids: self._forward([seq], input_ids=ids, use_cache=False).logits,
+                               seq.prompt_ids, k)
 
     def _forward(self, seqs: list[Sequence], **kwargs: Any) -> Any:
         """The model's forward over one row per sequence, each with its adapter."""
@@ -489,7 +478,7 @@ class Engine:
             num_top_logprobs=p.logprobs, banned=banned,
         )
 
-    def _load_weights(self, path: Path, label: str | None = None) -> dict[str, Any]:
+    def _load_weights(self, path: Path, label: str | None = None, probe_ids: list[int] | None = None) -> dict[str, Any]:
         try:
             result = weights_load.load(self.model, self.adapters, path, self.weights_digest)
         except weights_load.WeightsError as exc:
@@ -497,4 +486,10 @@ class Engine:
         self.weights_digest = result.digest
         if label is not None:  # under the step lock (exclusive): the next step reads the new label
             self.set_weight_version(label)
-        return result.as_dict()
+        out = result.as_dict()
+        if probe_ids:
+            base = self.model if self.adapters is None else lambda **kw: self.adapters.forward([None], **kw)
+            with torch.inference_mode():
+                out["prompt_logprobs"] = prompt_logprobs(lambda ids: base(input_ids=ids, use_cache=False).logits,
+                                                         probe_ids, 0)
+        return out

@@ -199,10 +199,13 @@ def _top_dict(out: Output, j: int, piece) -> dict[str, float]:
 
 
 def prompt_logprobs_json(out: Output, piece) -> list[dict[str, dict[str, Any]] | None] | None:
-    if out.prompt_logprobs is None:
-        return None
+    return None if out.prompt_logprobs is None else prompt_logprobs_rows(out.prompt_logprobs, piece)
+
+
+def prompt_logprobs_rows(prompt_logprobs: list, piece) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` shape of the engine's PromptLogprobs (null for the first token)."""
     rows: list[dict[str, dict[str, Any]] | None] = [None]
-    for entries in out.prompt_logprobs:
+    for entries in prompt_logprobs:
         rows.append({str(tid): {"logprob": finite(lp), "rank": rank, "decoded_token": piece(tid)}
                      for tid, lp, rank in entries})
     return rows

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.inference.testing import ServerHandle
+from shared.probe import probe_request, served_logprobs
 
 
 def _greedy(url: str, **extra) -> dict:
@@ -141,14 +142,38 @@ async def test_a_relabelling_reload_swaps_weights_and_label_between_two_steps(
         assert choice["token_ids"][cut:] != old[cut:]
 
 
-@pytest.mark.parametrize("rpc", [
-    {"method": "tandem_reload_weights", "kwargs": {"weight_version": 7}},
-    {"method": "reload_weights", "kwargs": {"weight_version": "7"}},
+@pytest.mark.parametrize(("rpc", "says"), [
+    ({"method": "tandem_reload_weights", "kwargs": {"weight_version": 7}}, "weight_version must be a string"),
+    ({"method": "reload_weights", "kwargs": {"weight_version": "7"}}, "weight_version must be a string"),
+    ({"method": "tandem_reload_weights", "kwargs": {"weight_version": "7", "probe_token_ids": [5]}},
+     "probe_token_ids must be a list of 2 to"),
+    ({"method": "tandem_reload_weights", "kwargs": {"weight_version": "7", "probe_token_ids": [5, 10 ** 6]}},
+     "probe_token_ids must be a list of 2 to"),
+    ({"method": "tandem_reload_weights", "kwargs": {"weight_version": "7", "probe_token_ids": "5 6"}},
+     "probe_token_ids must be a list of 2 to"),
+    ({"method": "reload_weights", "kwargs": {"probe_token_ids": [5, 6]}}, "only tandem_reload_weights takes it"),
 ])
-def test_a_bad_relabelling_reload_is_a_400_that_changes_nothing(fresh_server: ServerHandle, rpc: dict) -> None:
+def test_a_bad_relabelling_reload_is_a_400_that_changes_nothing(fresh_server: ServerHandle, rpc: dict,
+                                                                says: str) -> None:
     url = fresh_server.url
     r = httpx.post(url + "/collective_rpc", json=rpc, timeout=30)
     assert r.status_code == 400, r.text
-    assert "weight_version must be a string" in r.json()["error"]["message"]
+    assert says in r.json()["error"]["message"]
     assert httpx.get(url + "/weight_info").json() == {"weight_version": "0"}
     assert fresh_server.engine.stats["reloads"] == 0
+
+
+def test_a_reload_answers_the_probe_as_a_completion_would_on_the_new_weights(
+        fresh_server: ServerHandle, perturbed_checkpoint: Path) -> None:
+    """`probe_token_ids`: the answer's `probe` is the prompt logprobs a completion asks for, under
+    the weights just loaded (not the ones before), in a completion's shape."""
+    url, ids = fresh_server.url, [5, 17, 33, 8, 61, 2, 40]
+    before = httpx.post(url + "/v1/completions", json={**probe_request(ids)}, timeout=60).json()
+    r = httpx.post(url + "/collective_rpc", json={"method": "tandem_reload_weights", "kwargs": {
+        "weights_path": str(perturbed_checkpoint), "weight_version": "3", "probe_token_ids": ids}}, timeout=60)
+    assert r.status_code == 200, r.text
+    inline = r.json()["results"][0]["probe"]
+    after = httpx.post(url + "/v1/completions", json={**probe_request(ids)}, timeout=60).json()
+    assert served_logprobs(inline, ids) == served_logprobs(after, ids)
+    assert served_logprobs(inline, ids) != served_logprobs(before, ids)
+    assert inline["choices"][0]["prompt_logprobs"] == after["choices"][0]["prompt_logprobs"]

@@ -155,3 +155,44 @@ def test_a_cpu_server_is_synced_in_one_request_without_a_pause(make_sampler, tin
             assert httpx.get(cpu.url + "/weight_info").json() == {"weight_version": str(version)}
         assert cpu.engine.stats["reloads"] == 2 and cpu.engine.stats["pauses"] == 0
         assert not cpu.engine.is_paused
+
+
+def _trainer_probe(model_dir, token_ids: list[int]) -> dict:
+    """What a trainer sends: its own float32 logprobs of `token_ids` under the checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([token_ids])).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+    return {"token_ids": token_ids, "logprobs": [None, *logprobs.tolist()], "dtype": "float32"}
+
+
+def test_a_cpu_server_answers_the_probe_in_its_reload(make_sampler, tiny_model, tmp_path):
+    """The CPU server's one-request sync carries the probe too: it is verified (and a wrong one
+    refused) without a probe request of its own."""
+    import shutil
+
+    from services.inference.testing import running_server
+
+    checkpoint = tmp_path / "version-1"
+    shutil.copytree(tiny_model, checkpoint)
+    probe = _trainer_probe(checkpoint, [5, 17, 33, 8, 61, 2, 40])
+    with running_server(tiny_model, served_model_name="tiny") as cpu:
+        asked = []  # prompt logprobs asked for by a request (a probe of its own), not by the reload
+        scoring = cpu.engine._prompt_logprobs
+        cpu.engine._prompt_logprobs = lambda seq, k: asked.append(seq.prompt_ids) or scoring(seq, k)
+        sampler = make_sampler(inference_urls=[cpu.url], model_name="tiny")
+        response = httpx.post(sampler.url + "/weights_version",
+                              json={"version": 1, "checkpoint_path": str(checkpoint), "probe": probe}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert [s["version"] for s in response.json()["servers"]] == [1]
+        assert cpu.engine.stats["reloads"] == 1 and asked == []
+
+        wrong = {**probe, "logprobs": [None, *(x - 0.5 for x in probe["logprobs"][1:])]}
+        response = httpx.post(sampler.url + "/weights_version",
+                              json={"version": 2, "checkpoint_path": str(checkpoint), "probe": wrong}, timeout=60)
+        assert response.status_code == 422 and "computes the trainer's logprobs" in response.text, response.text
+        assert cpu.engine.stats["reloads"] == 2 and asked == []
+        assert httpx.get(sampler.url + "/weights_version").json()["version"] == 1

@@ -201,3 +201,32 @@ def test_cli_exits_3_with_the_message_when_the_guard_stops(monkeypatch, tmp_path
     code = trainer_main(["--model", str(model), "--run-dir", str(tmp_path), "--no-progress"], prog="tandem trainer")
     assert code == 3
     assert "tandem trainer: behaviour_mismatch was above" in capsys.readouterr().err
+
+
+class _Reply:
+    def __init__(self, body):
+        self.body = body
+
+    def json(self):
+        if isinstance(self.body, Exception):
+            raise self.body
+        return self.body
+
+
+def test_a_reload_answer_gives_the_probe_when_it_carries_one() -> None:
+    """reload_probe: the probe result from a `tandem_reload_weights` answer with `probe`; None
+    (probe apart) when the answer has none; a failed result when what it carries is unusable."""
+    from shared.probe import reload_probe
+
+    probe = Probe(token_ids=[5, 17, 42], logprobs=[None, -1.0, -2.0])
+    rows = [None, {"17": {"logprob": -1.0}}, {"42": {"logprob": -2.0004}}]
+    good = _Reply({"results": [{"weight_version": "3", "probe": {"choices": [{"prompt_logprobs": rows}]}}]})
+    result = reload_probe(probe, good)
+    assert result is not None and result.ok and result.max_abs_diff == pytest.approx(4e-4)
+    off = _Reply({"results": [{"probe": {"choices": [{"prompt_logprobs": [None, rows[1], {"42": {"logprob": -3}}]}]}}]})
+    assert not reload_probe(probe, off).ok
+    short = _Reply({"results": [{"probe": {"choices": [{"prompt_logprobs": rows[:2]}]}}]})
+    assert "inline probe" in reload_probe(probe, short).error
+    for without in ({"results": [{"weight_version": "3"}]}, {"results": [None]}, {}, ValueError("not JSON")):
+        assert reload_probe(probe, _Reply(without)) is None
+    assert reload_probe(None, good) is None and reload_probe(probe, None) is None

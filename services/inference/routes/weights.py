@@ -12,6 +12,10 @@
   methods: 400. `tandem_reload_weights` also takes `"weight_version": str`: the label then
   changes with the weights between two engine steps, so a sampler needs no pause, relabel or
   resume around the reload (one round trip instead of four; the answer echoes `weight_version`).
+  And `"probe_token_ids": [int, ...]` (at least two): the answer's `probe` holds their prompt
+  logprobs under the new weights in a completion's shape (`{"choices": [{"prompt_logprobs":
+  [null, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]}]}`), computed before any step
+  runs on them, so the sampler verifies the version without a probe request of its own.
 * `GET /server_info` -> `{"tandem": {"server": "cpu", "reload_method": "tandem_reload_weights",
   "relabels_on_reload": true}}`: how a sampler learns that (vLLM answers it with its
   configuration, in dev mode).
@@ -29,6 +33,7 @@ from fastapi import APIRouter, Query
 from services.inference import protocol as P
 from services.inference.deps import EngineDep
 from services.inference.request_error import RequestError
+from services.inference.routes.common import token_pieces
 from services.inference.vllm_ext import RELABELS, RELOAD_METHOD
 
 router = APIRouter(tags=["weights"])
@@ -69,16 +74,25 @@ async def collective_rpc(req: P.CollectiveRpcRequest, eng: EngineDep):
     if label is not None and (req.method != RELOAD_METHOD or not isinstance(label, str)):
         raise RequestError(f"kwargs.weight_version must be a string, and only {RELOAD_METHOD} takes it "
                            "(reload_weights leaves the label to POST /update_weight_version)", param="weight_version")
+    probe_ids = req.kwargs.get("probe_token_ids")
+    if probe_ids is not None and (req.method != RELOAD_METHOD or not isinstance(probe_ids, list)
+                                  or not 2 <= len(probe_ids) <= eng.max_model_len
+                                  or not all(type(t) is int and 0 <= t < eng.vocab_size for t in probe_ids)):
+        raise RequestError(f"kwargs.probe_token_ids must be a list of 2 to {eng.max_model_len} token ids below "
+                           f"{eng.vocab_size}, and only {RELOAD_METHOD} takes it", param="probe_token_ids")
     started = time.perf_counter()
-    loaded = await eng.reload_weights(path, weight_version=label)
+    loaded = await eng.reload_weights(path, weight_version=label, probe_ids=probe_ids)
     if req.method == "reload_weights":
         return {"results": [None]}
-    # The CPU engine multiplies by its parameters directly: there is nothing to repack.
-    return {"results": [{"weights_path": str(path or eng.model_path),
-                         "seconds": round(time.perf_counter() - started, 4),
-                         "repacked": [], "reprocessed": 0,
-                         "applied": loaded["applied"], "delta": loaded["delta"],
-                         **({"weight_version": label} if label is not None else {})}]}
+    answer = {"weights_path": str(path or eng.model_path), "seconds": round(time.perf_counter() - started, 4),
+              # The CPU engine multiplies by its parameters directly: there is nothing to repack.
+              "repacked": [], "reprocessed": 0, "applied": loaded["applied"], "delta": loaded["delta"]}
+    if label is not None:
+        answer["weight_version"] = label
+    if probe_ids is not None:
+        rows = P.prompt_logprobs_rows(loaded["prompt_logprobs"], token_pieces(eng.tokenizer, eng.pieces))
+        answer["probe"] = {"choices": [{"prompt_logprobs": rows}]}
+    return {"results": [answer]}
 
 
 @router.get("/server_info")

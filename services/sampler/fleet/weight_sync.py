@@ -12,8 +12,10 @@ happened before it, and is retried until it succeeds: a server must never be lef
 While a server syncs, new requests go elsewhere.
 
 A server whose reload relabels too (Tandem's CPU server says so at GET /server_info) swaps
-weights and label between two of its steps: its sync is that one request, then the probe. Its
-requests in flight continue on the new weights exactly as after a pause(keep) and resume.
+weights and label between two of its steps: its sync is that one request, which also carries
+the probe's token ids and answers with their logprobs (shared/probe.py, `reload_probe`; a
+server whose answer lacks them is probed apart). Its requests in flight continue on the new
+weights exactly as after a pause(keep) and resume.
 
 Versions are labelled with the decimal string of the integer version.
 
@@ -48,7 +50,7 @@ from services.sampler.storage.store import Store
 from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
 from shared.aio import Abandoned, Cuttable, gather_first_error
 from shared.http_client import Reply, TransportError
-from shared.probe import Probe, ProbeResult, compare, probe_request, served_logprobs
+from shared.probe import Probe, ProbeResult, answered, compare, probe_request, reload_probe, served_logprobs
 from shared.probe import failed as probe_failed
 from shared.weights_delta import DeltaError, is_delta
 
@@ -293,17 +295,20 @@ class WeightSync:
         except ValueError as exc:
             return probe_failed(probe, str(exc))
 
-    async def _load(self, server: Server, checkpoint_path: str, adapter: bool, label: int | None = None) -> None:
+    async def _load(self, server: Server, checkpoint_path: str, adapter: bool, label: int | None = None,
+                    probe_ids: list[int] | None = None) -> Reply | None:
         """The reload step proper: the adapter under the run's name, or full weights (with
-        `label`, relabelled by the same request: only where `relabels_on_reload`)."""
+        `label` and `probe_ids`, relabelled and probed by the same request: only where
+        `relabels_on_reload`). Returns the full-weights reload's answer."""
         if not adapter:
             method = await self.reload_method(server)
             kwargs: dict[str, Any] = {"weights_path": checkpoint_path}
             if label is not None:
                 kwargs["weight_version"] = str(label)
-            await self._call(server, "reload_weights", "POST", "/collective_rpc", timeout=self.reload_timeout,
-                             json={"method": method, "kwargs": kwargs})
-            return
+            if probe_ids is not None:
+                kwargs["probe_token_ids"] = list(probe_ids)
+            return await self._call(server, "reload_weights", "POST", "/collective_rpc", timeout=self.reload_timeout,
+                                    json={"method": method, "kwargs": kwargs})
         try:
             await self._call(server, "load_lora_adapter", "POST", LOAD_PATH, timeout=self.reload_timeout,
                              json=load_request(self.adapter_name, checkpoint_path))
@@ -352,17 +357,23 @@ class WeightSync:
                     # Asked once per server start. The flag counts only with the method it came with:
                     # after a restart whose /server_info went unanswered the method is vLLM's again.
                     swap = await self.reload_method(server) == RELOAD_METHOD and server.relabels_on_reload
+                inline = None
                 if swap:
-                    # Weights and label change between two of its steps, in one request.
-                    await self._load(server, checkpoint_path, adapter, label=version)
+                    # Weights and label change between two of its steps, in one request, which
+                    # also brings the probe's logprobs back where the server computes them.
+                    reply = await self._load(server, checkpoint_path, adapter, label=version,
+                                             probe_ids=probe.token_ids if probe is not None else None)
+                    inline = reload_probe(probe, reply)
                 else:
                     await self._pause_load_label(server, version, checkpoint_path, adapter, pause_mode)
                 if probe is not None:
                     # Still no work for it (syncing): first show that it computes the trainer's
                     # numbers. Sent before the resume, which a paused server queues it behind
                     # (vLLM and the CPU server alike), so its round trip overlaps the resume's.
-                    probing = asyncio.create_task(self.verify(server, probe, self.adapter_name if adapter else None),
-                                                  name=f"probe-{server.url}")
+                    probing = asyncio.create_task(
+                        answered(inline) if inline is not None
+                        else self.verify(server, probe, self.adapter_name if adapter else None),
+                        name=f"probe-{server.url}")
             except SyncStepError as exc:
                 error = exc
             finally:
