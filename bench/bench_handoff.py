@@ -22,7 +22,9 @@ Clocks, all wall time on this one host:
 * decoded: `SamplerClient.get_batch_arrays` returned (`BatchArrays`, numpy views of the
   received body) for the frames encoding; `get_batch_raw` (sample dicts) for the others.
   The body's arrival is timed by wrapping the client's own `get_batch_body`.
-At world_size 8 the clock stops when the one rank (SHARE_RANK) holds its share decoded.
+At world_size 8 the clock stops when the one rank (SHARE_RANK) holds its share decoded. The two
+frames cases of a size are measured in turn, batch by batch (ws 1, ws 8, ws 1, ...), so that the
+share and the whole batch it is judged against see the same load.
 
 Sampler RSS: before each measured batch the peak is reset (`echo 5 > /proc/PID/clear_refs`);
 idle = VmRSS then, peak = VmHWM once the batch is decoded and the sampler has finished with it.
@@ -602,30 +604,40 @@ async def _measure(url: str, pid: int, redis_url: str, namespace: str, cases: li
     heard = await Announcements(redis_url, keys.events).__aenter__()
     pings = await RedisPings(redis_url).__aenter__()
     trainer = Trainer(url, pid, redis, keys, heard, park_s, validate_max, pings)
+    # The frames cases (world sizes 1 and 8) are measured in turn, batch by batch (ws 1, ws 8,
+    # ws 1, ...): the share is judged against the whole batch (share <= whole/8 + 10 ms), and on
+    # a shared machine two cases measured a minute apart differ by the load of that minute.
+    frames = [case for case in cases if case[0] == "frames"]
+    groups = ([frames] if frames else []) + [[case] for case in cases if case[0] != "frames"]
     try:
-        for encoding, world_size in cases:
-            rank = SHARE_RANK % world_size
-            n = reps if encoding == "frames" else old_reps
-            client = trainer.client(encoding)
+        for group in groups:
+            n = reps if group[0][0] == "frames" else old_reps
+            clients = [trainer.client(encoding) for encoding, _ in group]
+            runs: list[list[dict[str, Any]]] = [[] for _ in group]
+            seconds = [0.0 for _ in group]
             try:
-                forks_before = (await redis.info("stats")).get("total_forks", 0)  # AOF rewrites (no RDB saves)
-                runs = []
-                started = time.monotonic()
                 for i in range(warmups + n):
-                    res = await trainer.one(client, encoding, step, world_size, rank, target)
-                    step += 1
-                    if i >= warmups:
-                        runs.append(res)
-                aof_rewrites = (await redis.info("stats")).get("total_forks", 0) - forks_before
+                    for j, (encoding, world_size) in enumerate(group):
+                        started = time.monotonic()
+                        res = await trainer.one(clients[j], encoding, step, world_size, SHARE_RANK % world_size,
+                                                target)
+                        seconds[j] += time.monotonic() - started
+                        step += 1
+                        if i >= warmups:
+                            runs[j].append(res)
             finally:
-                await client.aclose()
-            out.append({"encoding": encoding, "world_size": world_size, "rank": rank, "runs": runs,
-                        "warmups": warmups, "redis_aof_rewrites": aof_rewrites,
-                        "case_seconds": round(time.monotonic() - started, 1)})
-            print(f"  {label(target)} {encoding} world_size={world_size}: "
-                  f"p50 {median([r['sealed_to_decoded'] for r in runs]) * 1e3:.1f} ms sealed -> decoded, "
-                  f"{median([r['built_to_decoded'] for r in runs]) * 1e3:.1f} ms built -> decoded "
-                  f"({out[-1]['case_seconds']} s)", flush=True)
+                for client in clients:
+                    await client.aclose()
+            for (encoding, world_size), mine, took in zip(group, runs, seconds):
+                # AOF rewrites: the Redis forks during this case's measured batches.
+                out.append({"encoding": encoding, "world_size": world_size, "rank": SHARE_RANK % world_size,
+                            "runs": mine, "warmups": warmups,
+                            "redis_aof_rewrites": sum(r["aof_rewrites"] for r in mine),
+                            "case_seconds": round(took, 1)})
+                print(f"  {label(target)} {encoding} world_size={world_size}: "
+                      f"p50 {median([r['sealed_to_decoded'] for r in mine]) * 1e3:.1f} ms sealed -> decoded, "
+                      f"{median([r['built_to_decoded'] for r in mine]) * 1e3:.1f} ms built -> decoded "
+                      f"({out[-1]['case_seconds']} s)", flush=True)
     finally:
         await heard.__aexit__()
         await pings.__aexit__()
@@ -866,7 +878,8 @@ def _report(results_dir: Path, rows: list[dict[str, Any]], ceilings: dict[str, A
         "Clocks: **built** = `stats.sealed_at` (samples done, before packing); **sealed** = an independent "
         "Redis subscriber hears `sealed:N`; **decoded** = `SamplerClient.get_batch_arrays` returned "
         "(`BatchArrays`, numpy views of the received body; `get_batch_raw` for the old encodings). At "
-        f"world_size 8, rank {SHARE_RANK} fetches its share alone; its clock is the share's.",
+        f"world_size 8, rank {SHARE_RANK} fetches its share alone; its clock is the share's. The frames "
+        "batches of a size are measured in turn, ws 1 and ws 8 (so both see the same load).",
         "",
         "| batch | enc | ws | samples (share) | body | reps | sealed->decoded p50 ms | GB/s | built->decoded "
         "p50 ms | GB/s | pack+seal ms | to response ms | decode ms | sampler RSS idle -> peak (x batch) "
