@@ -1,10 +1,12 @@
 """Rank shares of a chunked batch through a real sampler and real HTTP: the shares partition the
-batch, every media type carries the same share, a replica serving a share reads only that
-share's chunks from Redis, and a batch that does not split evenly is a clear 422."""
+batch, every media type carries the same share, a share's frames are its chunks byte for byte
+(edges sent from views of the stored chunk), a replica serving a share reads only that share's
+chunks from Redis, and a batch that does not split evenly is a clear 422."""
 
 from __future__ import annotations
 
 import json
+import struct
 
 import httpx
 import msgpack
@@ -14,7 +16,7 @@ import redis.asyncio as aioredis
 
 from services.sampler.storage.packing import pieces, share_range
 from shared import codec
-from shared.chunks import FRAMES
+from shared.chunks import FRAMES, VIEW_BYTES, slice_chunk
 from shared.client import SamplerClient, SamplerRequestError
 from tests.support.servers import start_redis
 
@@ -96,6 +98,42 @@ async def test_rank_shares_partition_the_batch_in_every_encoding(make_sampler, r
                     assert len(mine) * GROUP == len(shares[i])
                     for theirs in groups[i + 1:]:
                         assert mine.isdisjoint(theirs), f"world_size {world_size}: a group is split between ranks"
+
+
+def _frame_parts(body: bytes) -> tuple[dict, list[bytes]]:
+    """A FRAMES body's header and its chunks' bytes."""
+    magic, size = struct.unpack_from("<4sI", body)
+    assert magic == b"TBT1"
+    header = msgpack.unpackb(body[8:8 + size], raw=False)
+    at, chunks = (8 + size + 7) & ~7, []
+    for length in header["chunks"]:
+        chunks.append(body[at:at + length])
+        at += length
+    assert at == len(body)
+    return header, chunks
+
+
+async def test_a_share_is_its_chunks_byte_for_byte_with_edges_from_views(make_sampler):
+    """One chunk of 64 samples (~0.4 MB): each half's edge cuts it, and its logprobs (~115 KB)
+    are past chunks.VIEW_BYTES, so the sampler sends them as a view of the stored chunk. What
+    arrives is the chunk slice_chunk makes of that half, byte for byte, the same on every read."""
+    sampler = make_sampler(**{**SETTINGS, "batch_chunk_bytes": 1 << 20})
+    headers = {"Accept": FRAMES}
+    async with httpx.AsyncClient(base_url=sampler.url, timeout=60) as http:
+        whole = await http.get("/batch", params={"step": 0, "timeout": 50}, headers=headers)
+        assert whole.status_code == 200, whole.text
+        head, (stored,) = _frame_parts(whole.content)
+        assert head["num_samples"] == TOTAL
+        for rank in range(2):
+            params = {"step": 0, "rank": rank, "world_size": 2}
+            first = await http.get("/batch", params=params, headers=headers)
+            again = await http.get("/batch", params=params, headers=headers)
+            assert first.status_code == 200 and first.content == again.content
+            share, (edge,) = _frame_parts(first.content)
+            start, stop = share_range(TOTAL, rank, 2)
+            assert (share["rank"], share["world_size"], share["num_samples"]) == (rank, 2, stop - start)
+            assert edge == bytes(slice_chunk(stored, start, stop))
+            assert (stop - start) * SETTINGS["max_tokens"] * 8 >= VIEW_BYTES  # its logprobs went by view
 
 
 async def _output_bytes(client: aioredis.Redis) -> int:
