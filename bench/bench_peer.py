@@ -56,6 +56,9 @@ DIFFERENCES = [
     "Steps without signal: the native trainer leaves the weights (and AdamW's state) alone on a batch "
     "whose advantages are all 0; TRL takes the optimizer step anyway, and AdamW's momentum still moves "
     "the weights.",
+    "Rows without advantage (a group all right or all wrong): the native trainer forwards them without an "
+    "autograd graph and never backpropagates them, since without a KL term their gradient is exactly zero "
+    "(the step and its metrics are the same); TRL backpropagates every row.",
     "Advantage epsilon: both normalise by the group's Bessel-corrected std; Tandem's sampler adds 1e-6, "
     "TRL adds 1e-4.",
     "Threads: the demo gives each child one torch thread (inference and training overlap on separate "
