@@ -616,15 +616,18 @@ async def _measure(url: str, pid: int, redis_url: str, namespace: str, cases: li
             runs: list[list[dict[str, Any]]] = [[] for _ in group]
             seconds = [0.0 for _ in group]
             try:
-                for i in range(warmups + n):
+                # A case's warm-ups come right before its first measured batch, as when the cases ran
+                # one after the other: the first measured batch of a size is still the sampler's
+                # second, the one whose build grows the chunk pool (RSS x batch).
+                for i in range(n):
                     for j, (encoding, world_size) in enumerate(group):
-                        started = time.monotonic()
-                        res = await trainer.one(clients[j], encoding, step, world_size, SHARE_RANK % world_size,
-                                                target)
-                        seconds[j] += time.monotonic() - started
-                        step += 1
-                        if i >= warmups:
-                            runs[j].append(res)
+                        for _ in range(1 + (warmups if i == 0 else 0)):
+                            started = time.monotonic()
+                            res = await trainer.one(clients[j], encoding, step, world_size, SHARE_RANK % world_size,
+                                                    target)
+                            seconds[j] += time.monotonic() - started
+                            step += 1
+                        runs[j].append(res)
             finally:
                 for client in clients:
                     await client.aclose()
