@@ -366,14 +366,7 @@ class WeightSync:
                     inline = reload_probe(probe, reply)
                 else:
                     await self._pause_load_label(server, version, checkpoint_path, adapter, pause_mode)
-                if probe is not None:
-                    # Still no work for it (syncing): first show that it computes the trainer's
-                    # numbers. Sent before the resume, which a paused server queues it behind
-                    # (vLLM and the CPU server alike), so its round trip overlaps the resume's.
-                    probing = asyncio.create_task(
-                        answered(inline) if inline is not None
-                        else self.verify(server, probe, self.adapter_name if adapter else None),
-                        name=f"probe-{server.url}")
+                probing = self._start_probe(server, probe, adapter, inline)
             except SyncStepError as exc:
                 error = exc
             finally:
@@ -431,6 +424,17 @@ class WeightSync:
         if unreachable:
             self.pool.suspect(server, message)  # out of rotation; the fleet re-syncs it once it answers
         return self._report(SyncResult(server.url, False, server.version, seconds, message, client_error, unreachable))
+
+    def _start_probe(self, server: Server, probe: Probe | None, adapter: bool,
+                     inline: ProbeResult | None) -> asyncio.Task | None:
+        """Still no work for it (syncing): first show that it computes the trainer's numbers
+        (`inline`: what its reload answered). Sent before the resume, which a paused server
+        queues it behind (vLLM and the CPU server alike), so its round trip overlaps the resume's."""
+        if probe is None:
+            return None
+        return asyncio.create_task(
+            answered(inline) if inline is not None else self.verify(server, probe, self.adapter_name if adapter else None),
+            name=f"probe-{server.url}")
 
     async def _label_and_reset(self, server: Server, version: int) -> None:
         """The new version's label and an empty prefix cache, asked together: neither depends on
