@@ -155,8 +155,3 @@ def reload_probe(probe: Probe | None, reply: Any) -> ProbeResult | None:
         return compare(probe, served_logprobs(answer, probe.token_ids))
     except ValueError as exc:
         return failed(probe, f"the reload's inline probe: {exc}")
-
-
-async def answered(result: ProbeResult) -> ProbeResult:
-    """`result`, as a coroutine (where a probe request would otherwise be awaited)."""
-    return result

@@ -402,7 +402,7 @@ class Engine:
         assert b is not None
         mask = torch.cat([b.mask, torch.ones((b.size, 1), dtype=torch.long)], dim=1)
         out = self._forward(
-            self._rows,
+            [s.adapter for s in self._rows],
             input_ids=b.pending[:, None],
             attention_mask=mask,
             position_ids=b.lengths[:, None],
@@ -428,7 +428,7 @@ class Engine:
         prompts = [s.prompt_ids for s in firsts]
         ids, mask, positions = kvcache.left_pad(prompts, self.pad_id)
         out = self._forward(
-            firsts, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+            [s.adapter for s in firsts], input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )
         kv = kvcache.to_tensors(out.past_key_values)
         logits = out.logits[:, -1].float()
@@ -459,14 +459,14 @@ class Engine:
             seq.prompt_logprobs = done[key]
 
     def _prompt_logprobs(self, seq: Sequence, k: int) -> PromptLogprobs:
-        return prompt_logprobs(lambda ids: self._forward([seq], input_ids=ids, use_cache=False).logits,
+        return prompt_logprobs(lambda ids: self._forward([seq.adapter], input_ids=ids, use_cache=False).logits,
                                seq.prompt_ids, k)
 
-    def _forward(self, seqs: list[Sequence], **kwargs: Any) -> Any:
-        """The model's forward over one row per sequence, each with its adapter."""
+    def _forward(self, adapters: list[Adapter | None], **kwargs: Any) -> Any:
+        """The model's forward, each row with its adapter (None: the base model)."""
         if self.adapters is None:
             return self.model(**kwargs)
-        return self.adapters.forward([s.adapter for s in seqs], **kwargs)
+        return self.adapters.forward(adapters, **kwargs)
 
     def _row_params(self, seq: Sequence) -> RowParams:
         p = seq.params
@@ -488,8 +488,7 @@ class Engine:
             self.set_weight_version(label)
         out = result.as_dict()
         if probe_ids:
-            base = self.model if self.adapters is None else lambda **kw: self.adapters.forward([None], **kw)
             with torch.inference_mode():
-                out["prompt_logprobs"] = prompt_logprobs(lambda ids: base(input_ids=ids, use_cache=False).logits,
-                                                         probe_ids, 0)
+                out["prompt_logprobs"] = prompt_logprobs(
+                    lambda ids: self._forward([None], input_ids=ids, use_cache=False).logits, probe_ids, 0)
         return out

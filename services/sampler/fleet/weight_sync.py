@@ -50,7 +50,7 @@ from services.sampler.storage.store import Store
 from shared.adapters import DEFAULT_ADAPTER_NAME, LOAD_PATH, load_request
 from shared.aio import Abandoned, Cuttable, gather_first_error
 from shared.http_client import Reply, TransportError
-from shared.probe import Probe, ProbeResult, answered, compare, probe_request, reload_probe, served_logprobs
+from shared.probe import Probe, ProbeResult, compare, probe_request, reload_probe, served_logprobs
 from shared.probe import failed as probe_failed
 from shared.weights_delta import DeltaError, is_delta
 
@@ -433,7 +433,8 @@ class WeightSync:
         if probe is None:
             return None
         return asyncio.create_task(
-            answered(inline) if inline is not None else self.verify(server, probe, self.adapter_name if adapter else None),
+            asyncio.sleep(0, inline) if inline is not None  # already answered: that result, as a task
+            else self.verify(server, probe, self.adapter_name if adapter else None),
             name=f"probe-{server.url}")
 
     async def _label_and_reset(self, server: Server, version: int) -> None:
