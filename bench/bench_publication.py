@@ -79,14 +79,21 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 4)
 
 
-def _sync(url: str, load: tuple[str, dict[str, Any]], version: int) -> float:
+def _sync(url: str, load: tuple[str, dict[str, Any]], version: int, probe_ids: list[int] | None = None,
+          inline: bool = False) -> float:
     """The sampler's sync steps against one server, through the sampler's own HTTP client,
     timed from pause to resume (what vLLM gets, and a LoRA adapter on any server); a `load` of
     RELOAD_METHOD is sent alone with the label, the one request the sampler now sends Tandem's
-    CPU server for full weights (services/sampler/fleet/weight_sync.py)."""
+    CPU server for full weights (services/sampler/fleet/weight_sync.py), with the probe's
+    `probe_ids` in it (`inline`) or, as before, asked for apart afterwards."""
     path, body = load
     if body.get("method") == RELOAD_METHOD:
-        steps: tuple = (("POST", path, {"json": {**body, "kwargs": {**body["kwargs"], "weight_version": str(version)}}}),)
+        kwargs = {**body["kwargs"], "weight_version": str(version)}
+        if probe_ids is not None and inline:
+            kwargs["probe_token_ids"] = probe_ids
+        steps: tuple = (("POST", path, {"json": {**body, "kwargs": kwargs}}),)
+        if probe_ids is not None and not inline:
+            steps += (("POST", "/v1/completions", {"json": probe_request(probe_ids)}),)
     else:
         steps = (("POST", "/pause", {"params": {"mode": "keep"}}), ("POST", path, {"json": body}),
                  ("POST", "/update_weight_version", {"json": {"new_version": str(version)}}),
@@ -134,7 +141,7 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
         server_url = f"http://127.0.0.1:{port}"
         with httpx.Client(headers=AUTH) as http:
             # -- full weights
-            write_s, load_s, swap_s = [], [], []
+            write_s, load_s, swap_s, apart_s, inline_s = [], [], [], [], []
             for i in range(repeats):
                 t0 = time.perf_counter()
                 path = ckpt.publish_weights(root / f"{name}-full", i + 1, full_state, model.config, dtype=dtype, step=i)
@@ -144,10 +151,14 @@ def _measure(name: str, root: Path, *, rank: int, dtype_name: str, repeats: int)
                 # The same version again, the way the sampler now syncs this server: one request.
                 swap = ("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": {"weights_path": str(path)}})
                 swap_s.append(_sync(server_url, swap, i + 1))
+                # With the probe: asked for after the swap (before), or carried by it (now).
+                apart_s.append(_sync(server_url, swap, i + 1, probe_ids=ids))
+                inline_s.append(_sync(server_url, swap, i + 1, probe_ids=ids, inline=True))
             http.post(server_url + "/v1/completions", json=probe_request(ids), timeout=600).raise_for_status()
             rows.append({"model": name, "params": params, "kind": "full", "rank": None, "trained_params": params,
                          "dtype": dtype_name, "bytes": ckpt.dir_bytes(path), "write_s": _median(write_s),
                          "load_s": _median(load_s), "swap_load_s": _median(swap_s),
+                         "swap_probe_apart_s": _median(apart_s), "swap_probe_inline_s": _median(inline_s),
                          "step_s": _median([w + s for w, s in zip(write_s, load_s)])})
             shutil.rmtree(root / f"{name}-full")
             # -- the adapter
@@ -188,19 +199,22 @@ def run(results_dir: Path, models: tuple[str, ...] = ("tiny", "0.5b"), rank: int
              f"version after version in {dtype} under {root} (write), and Tandem's CPU inference server loads each "
              "with the sampler's sync steps through the sampler's HTTP client, pause to resume (load: `/collective_rpc` reload for full weights, "
              f"`/v1/load_lora_adapter` in place for the adapter). Rank {rank} on every attention and MLP "
-             f"projection; median of {repeats}. Both models are built here with random weights. The last "
-             "column: the same full version loaded again the way the sampler now syncs this server, one "
+             f"projection; median of {repeats}. Both models are built here with random weights. The "
+             "one-request swap column: the same full version loaded again the way the sampler now syncs this server, one "
              "`tandem_reload_weights` request carrying the label (no pause, label, reset or resume). Every full "
              "version here holds the same weights, and the server skips a version whose digest it already holds, "
-             "so both full load columns are the sync's protocol cost, not a load of the bytes.", "",
+             "so both full load columns are the sync's protocol cost, not a load of the bytes. The two after it: "
+             "that swap with the sampler's probe of a 32-token sequence, asked for apart afterwards (before) or "
+             "carried by the swap, `probe_token_ids`, whose answer holds the logprobs (now).", "",
              "| model | params | kind | trained params | bytes published | write s | load s | write + load s "
-             "| load s, one-request swap |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| load s, one-request swap | swap + probe request s | swap carrying the probe s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f} M | {r['kind']}"
                      f"{'' if r['rank'] is None else ' r' + str(r['rank'])} | {r['trained_params'] / 1e6:.3f} M "
                      f"| {r['bytes'] / 2**20:.2f} MiB | {r['write_s']} | {r['load_s']} | {r['step_s']} "
-                     f"| {r.get('swap_load_s', '—')} |")
+                     f"| {r.get('swap_load_s', '—')} | {r.get('swap_probe_apart_s', '—')} "
+                     f"| {r.get('swap_probe_inline_s', '—')} |")
     for name in dict.fromkeys(r["model"] for r in rows):
         full = next(r for r in rows if r["model"] == name and r["kind"] == "full")
         lora = next(r for r in rows if r["model"] == name and r["kind"] == "lora")

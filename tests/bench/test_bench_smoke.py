@@ -80,6 +80,7 @@ def test_publication(tmp_path):
     assert (full["kind"], lora["kind"]) == ("full", "lora")
     assert lora["bytes"] < full["bytes"] and lora["trained_params"] < full["trained_params"]
     assert all(r["write_s"] > 0 and r["load_s"] > 0 for r in (full, lora))
+    assert full["swap_probe_apart_s"] > 0 and full["swap_probe_inline_s"] > 0
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
