@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from services.sampler.storage.chunk_files import ChunkFiles, StoreFailed, describe_bytes
+from services.sampler.storage.chunk_files import ChunkFiles, ChunkUnreadable, StoreFailed, describe_bytes
 from services.sampler.storage.keys import Keys
 from services.sampler.storage.packing import SealedBatch, pack, pack_writing, pieces, share_range
 from services.sampler.storage.store import Store
@@ -141,6 +141,68 @@ async def test_a_replica_reads_the_files_another_sealed_and_only_those_of_its_sh
     async with httpx.AsyncClient(timeout=30, headers=frames) as http:
         bodies = [(await http.get(f"{s.url}/batch", params={"step": 0, "timeout": 0})).content for s in (a, b)]
     assert len(bodies[0]) > sum(size for _, size in table) and bodies[0] == bodies[1]
+
+
+def _damage(path: Path, how: str) -> bytes:
+    """Damage chunk file `path` as a failing disk or a stray copy would; returns its bytes."""
+    good = path.read_bytes()
+    if how == "short":
+        path.write_bytes(good[:-8])
+    elif how == "long":
+        path.write_bytes(good + bytes(8))
+    elif how == "not a chunk":
+        path.write_bytes(bytes(len(good)))
+    else:  # unreadable: a directory where the file was
+        path.unlink()
+        path.mkdir()
+    return good
+
+
+def _undamage(path: Path, good: bytes) -> None:
+    if path.is_dir():
+        path.rmdir()
+    path.write_bytes(good)
+
+
+@pytest.mark.parametrize("how", ["short", "long", "not a chunk", "unreadable"])
+async def test_a_damaged_chunk_file_is_refused_naming_it_and_a_restored_one_reads_the_same(redis, namespace,
+                                                                                           tmp_path, how):
+    keys = Keys(namespace)
+    files = ChunkFiles(tmp_path / "batches")
+    batch = _batch(0)
+    assert await Store(redis, keys, files=files).seal(0, batch) == 1
+    reader = Store(redis, keys, files=files)  # holds nothing in memory: reads the files
+    sealed = await reader.manifest(0)
+    (where,) = [w for _, _, w in files.builds()]
+    good = _damage(where / "1", how)
+    with pytest.raises(ChunkUnreadable, match=f"chunk file {where / '1'} "):
+        await reader.read_chunks(sealed, [0, 1])
+    assert await reader.read_chunks(sealed, [0, 2]) is not None  # the other chunks still read
+    _undamage(where / "1", good)
+    assert _bytes(await reader.read_chunks(sealed, [0, 1, 2])) == _bytes(batch.chunks[:3])
+
+
+async def test_a_damaged_chunk_file_answers_500_saying_which_and_what_to_do(make_sampler, run_dir):
+    settings = {"prompts_per_step": 4, "num_generations": 4, "max_tokens": 64, "temperature": 0.0,
+                "max_staleness": 0}
+    a = make_sampler(**settings)
+    async with SamplerClient(a.url, poll_timeout=20) as client:
+        await client.get_batch_arrays(0, timeout=60)
+    (where,) = [w for _, _, w in ChunkFiles(run_dir / "batches").builds()]
+    b = make_sampler(**settings)  # holds nothing in memory: it reads A's files
+    frames = {"Accept": "application/vnd.tandem.batch"}
+    async with httpx.AsyncClient(timeout=30, headers=frames) as http:
+        good = _damage(where / "0", "short")
+        refused = await http.get(f"{b.url}/batch", params={"step": 0, "timeout": 0})
+        _undamage(where / "0", good)
+        bodies = [(await http.get(f"{s.url}/batch", params={"step": 0, "timeout": 0})).content for s in (a, b)]
+    assert refused.status_code == 500, refused.text
+    detail = refused.json()["detail"]
+    assert detail["reason"] == "damaged"
+    assert detail["message"].startswith(f"batch 0 is sealed but cannot be served: chunk file {where / '0'} holds "
+                                        f"{len(good) - 8} bytes, its batch's manifest says {len(good)}")
+    assert "Restore the file, or restart the run from a checkpoint past step 0" in detail["message"]
+    assert bodies[0] == bodies[1]
 
 
 async def test_a_write_past_its_bound_fails_once_with_the_batch_size_and_redis_stays_responsive(redis, namespace,

@@ -11,7 +11,7 @@ was sealed), so a retry never meets the leftovers of an attempt that failed or t
 
 Invariants:
 * A chunk file has its final name only once its bytes are on disk: it is written as
-  `<i>.part`, fsynced, renamed, and before `write` returns the build's directory (and the
+  `<i>.part` (its aligned bulk past the page cache: durable_write.py), fsynced, renamed, and before `write` returns the build's directory (and the
   root, which holds the directory's name) is fsynced. So once `write` returns, a crash of the
   machine loses none of it, and the seal that follows (store.py) acknowledges durable bytes.
 * A named file never changes (a write-back after a Redis restart keeps the files it finds
@@ -40,12 +40,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from shared.chunks import alloc
+from services.sampler.storage.durable_write import write_durably
+from shared.chunks import CHUNK_MAGIC, alloc
 
 log = logging.getLogger("tandem.sampler.chunk_files")
 
-# The slice one os.write call takes: a write that must stop (its bound passed) stops within one.
-_SLICE = 8 << 20
 # Threads writing chunks, shared by every store of the process. Two keep a disk that takes
 # parallel writes busy (measured: one thread leaves most of its bandwidth idle while it waits for
 # an fsync); more only compete for the same disk.
@@ -55,6 +54,13 @@ _WRITERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunk-writer")
 class StoreFailed(RuntimeError):
     """A batch's chunks could not be stored (within the bound, or at all): the build fails
     this attempt with this message and backs off (producer.py). Not an outage of Redis."""
+
+
+class ChunkUnreadable(RuntimeError):
+    """A sealed batch's chunk file is there but cannot be served as its manifest says (another
+    length, not a chunk, or the disk refuses to read it): something outside the sampler changed
+    or lost it. Never retried into a different answer: every read of a chunk returns the same
+    bytes or this."""
 
 
 def describe_bytes(n: int) -> str:
@@ -197,18 +203,7 @@ class ChunkFiles:
             if keep_existing and final.exists() and final.stat().st_size == len(view):
                 continue
             part = where / f"{i}.part"
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                offset = 0
-                while offset < len(view):
-                    if stop.is_set():
-                        break
-                    offset += os.write(fd, view[offset:offset + _SLICE])
-                if not stop.is_set():
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if stop.is_set():
+            if not write_durably(part, view, stop):
                 if keep_existing:  # a sealed build's directory: only the unfinished file goes
                     part.unlink(missing_ok=True)
                 else:
@@ -222,24 +217,38 @@ class ChunkFiles:
 
     @staticmethod
     def read(where: str | Path, indices: list[int], sizes: list[int]) -> list[Any] | None:
-        """Chunks `indices` of the build in `where`, read into buffers of their own (one copy
-        from the page cache; a memory map would hold a file descriptor per chunk for as long as
-        the answer takes to send); None when one is gone (trimmed meanwhile, or `where` is on
-        another machine's disk). `sizes`: their lengths from the manifest."""
+        """Chunks `indices` of the build in `where`, read into buffers of their own (a memory
+        map would hold a file descriptor per chunk for as long as the answer takes to send);
+        None when one is gone (trimmed meanwhile, or `where` is on another machine's disk);
+        ChunkUnreadable when one is there but damaged. `sizes`: their lengths from the manifest."""
         found = []
         for i, size in zip(indices, sizes):
-            buffer = alloc(size)
+            path = Path(where) / str(i)
             try:
-                with open(Path(where) / str(i), "rb", buffering=0) as f:
-                    view, got = memoryview(buffer), 0
-                    while got < size and (n := f.readinto(view[got:])):
-                        got += n
+                found.append(ChunkFiles._read_one(path, size))
             except FileNotFoundError:
                 return None
-            if got != size:
-                raise OSError(f"{Path(where) / str(i)} holds {got} bytes, its batch's manifest says {size}")
-            found.append(buffer)
+            except OSError as exc:
+                raise ChunkUnreadable(f"chunk file {path} cannot be read: {exc.strerror or exc}") from exc
         return found
+
+    @staticmethod
+    def _read_one(path: Path, size: int) -> Any:
+        """The `size` bytes of chunk file `path`; ChunkUnreadable when it holds another number of
+        bytes or does not start as a chunk does (the magic: a check that costs nothing)."""
+        with open(path, "rb", buffering=0) as f:
+            held = os.fstat(f.fileno()).st_size
+            if held != size:
+                raise ChunkUnreadable(f"chunk file {path} holds {held} bytes, its batch's manifest says {size}")
+            buffer = alloc(size)
+            view, got = memoryview(buffer), 0
+            while got < size and (n := f.readinto(view[got:])):
+                got += n
+        if got != size:
+            raise ChunkUnreadable(f"chunk file {path} ended after {got} of its {size} bytes while being read")
+        if bytes(view[:len(CHUNK_MAGIC)]) != CHUNK_MAGIC:
+            raise ChunkUnreadable(f"chunk file {path} does not start as a batch chunk does ({CHUNK_MAGIC!r})")
+        return buffer
 
     # --- removing ---------------------------------------------------------------------------
 

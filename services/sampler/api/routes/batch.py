@@ -3,7 +3,8 @@
 200 the batch (the same bytes on every read until trimmed), 204 when `timeout` passes
 first, 409 when the published version is too old for the batch ever to be generated,
 410 when the batch was trimmed, or was never sealed and the published version is past it,
-422 for malformed parameters, 503 while Redis is unreachable or generation is stuck.
+422 for malformed parameters, 503 while Redis is unreachable or generation is stuck, 500
+when a sealed batch's chunk file is damaged (it says which file; no read would succeed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.background import BackgroundTask
 
 from services.sampler.api.deps import State
+from services.sampler.storage.chunk_files import ChunkUnreadable
 from services.sampler.storage.packing import SealedBatch, joined, pieces, share_chunks, share_range
 from services.sampler.storage.store import Store
 from shared import codec
@@ -140,7 +142,16 @@ async def _batch_response(store: Store, batch: SealedBatch, rank: int, world_siz
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=str(exc)) from exc
     parts = pieces(batch.table, start, stop)
-    buffers = await store.read_chunks(batch, [p.index for p in parts])
+    try:
+        buffers = await store.read_chunks(batch, [p.index for p in parts])
+    except ChunkUnreadable as exc:
+        raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, detail={
+            "message": f"batch {batch.step} is sealed but cannot be served: {exc}. Its bytes on disk were changed "
+            "or lost outside the sampler (a full or failing disk, a copy that did not finish, an edit); every read "
+            "would fail the same way. Restore the file, or restart the run from a checkpoint past step "
+            f"{batch.step}",
+            "reason": "damaged",
+        }) from exc
     if buffers is None:
         if batch.files is not None and await store.manifest(batch.step) is not None:
             # Sealed and not trimmed, yet its files are not here: written where this sampler cannot see.
