@@ -306,7 +306,11 @@ def values_of(cols: Columns, key: str) -> list[Any]:
     if key in cols.texts:
         values, offsets = cols.texts[key]
         data, bounds = values.tobytes(), offsets.tolist()
-        return [data[bounds[i]:bounds[i + 1]].decode() for i in range(len(bounds) - 1)]
+        try:
+            return [data[bounds[i]:bounds[i + 1]].decode() for i in range(len(bounds) - 1)]
+        except UnicodeDecodeError as exc:  # damaged bytes: the same error as any other damage
+            raise ValueError(f"batch chunk: text column {key!r} is not UTF-8 ({exc.reason} at byte "
+                             f"{exc.start} of a sample's text): the chunk is damaged") from None
     return cols.lists[key]
 
 

@@ -387,6 +387,16 @@ def test_a_corrupt_chunk_inside_a_frame_is_a_value_error():
         decode_frame(_frame([encode_samples([{"a": 2}]), chunk], num_samples=2))
 
 
+def test_damaged_text_bytes_are_a_value_error_naming_the_column():
+    chunk = bytearray(encode_samples([{"completion_text": "caf\u00e9 " * 8}, {"completion_text": "ok"}]))
+    at = bytes(chunk).index("\u00e9".encode())
+    chunk[at] = 0xFF  # not UTF-8 any more; the layout is intact, so the chunk decodes
+    body = _frame([chunk], num_samples=2)
+    arrays = decode_frame(body)
+    with pytest.raises(ValueError, match=r"batch chunk: text column 'completion_text' is not UTF-8 .*damaged"):
+        arrays.samples()
+
+
 def test_a_header_length_past_the_end_is_a_value_error():
     body = _body()
     struct.pack_into("<I", body, 4, len(body) * 2)
