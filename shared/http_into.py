@@ -19,6 +19,9 @@ that are not the fast path (errors, chunked, until-close), which are small.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -52,6 +55,8 @@ class _Exchange(asyncio.BufferedProtocol):
         # the transport holds this protocol until the loop's next turn.
         self.answer: tuple[int, Any, str | None] | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Set once a body is being received in place (`view`): the rest may go to a thread.
+        self.in_place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # --- asyncio -------------------------------------------------------------------------
 
@@ -103,6 +108,8 @@ class _Exchange(asyncio.BufferedProtocol):
             self.view = memoryview(self.body).cast("B")
             if not len(self.view):
                 self._finish(self.body)
+            elif not self.in_place.done():
+                self.in_place.set_result(None)
 
     def on_body(self, data: bytes) -> None:
         if self.view is None:
@@ -177,6 +184,9 @@ async def get_into(url: str, *, params: dict[str, Any] | None = None, headers: d
             transport, _ = await loop.create_connection(lambda: exchange, parts.hostname, parts.port or 80)
         try:
             transport.write(data)
+            await asyncio.wait([exchange.done, exchange.in_place], return_when=asyncio.FIRST_COMPLETED)
+            if not exchange.done.done():
+                await _rest_in_a_thread(transport, exchange)
             await exchange.done
             answer = exchange.answer
             assert answer is not None
@@ -188,3 +198,62 @@ async def get_into(url: str, *, params: dict[str, Any] | None = None, headers: d
             else:
                 transport.abort()
             exchange.release()  # the body goes back (a pooled buffer: to its pool) as soon as the caller drops it
+
+
+# A body with at least this much left once its head is in is received by a thread of its own.
+THREAD_BYTES = 4 << 20
+
+
+async def _rest_in_a_thread(transport: asyncio.Transport, exchange: _Exchange) -> None:
+    """Receive the rest of an in-place body with one blocking `recv_into(MSG_WAITALL)` on a
+    thread of its own, the transport's reading paused meanwhile. The event loop otherwise
+    wakes for every ~160 KB the socket holds (3,300 `recv_into` calls for 512 MiB, each an
+    epoll round and a protocol callback); one call that returns when the body is complete took
+    10-15 % less time on the 2-core machine (512 MiB over loopback: 165 against 175-210 ms)
+    and leaves the event loop free. A no-op (the loop goes on receiving) for a short rest, or
+    while the request is still being written (the socket is switched to blocking for the
+    thread: the loop must not write to it meanwhile)."""
+    sock = transport.get_extra_info("socket")
+    view = exchange.view
+    if (view is None or len(view) - exchange.got < THREAD_BYTES or sock is None or transport.get_write_buffer_size()
+            or not hasattr(socket, "MSG_WAITALL")):
+        return
+    transport.pause_reading()
+    own = socket.socket(fileno=os.dup(sock.fileno()))
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[tuple[int, BaseException | None]] = loop.create_future()
+    start = exchange.got
+
+    def receive() -> None:
+        got, error = start, None
+        try:
+            own.setblocking(True)  # shared with the transport's descriptor: set back below
+            while got < len(view):
+                n = own.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+                if not n:
+                    raise ResponseError(f"{exchange.url} closed the body after {got} of {len(view)} bytes")
+                got += n
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            error = exc
+        finally:
+            own.setblocking(False)
+            own.close()
+        try:
+            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result((got, error)))
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=receive, name="http-into-body", daemon=True).start()
+    try:
+        got, error = await asyncio.shield(finished)
+    except asyncio.CancelledError:
+        try:
+            own.shutdown(socket.SHUT_RDWR)  # the thread's recv returns at once; the connection is dropped
+        except OSError:  # the thread had finished (and closed its descriptor) meanwhile
+            pass
+        raise
+    exchange.got = got
+    if error is not None:
+        exchange._fail(error if isinstance(error, Exception) else ResponseError(repr(error)))
+    else:
+        exchange._finish(exchange.body)

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
+import numpy as np
 import pytest
 
 from shared.chunks import FRAMES, alloc
 from shared.client import SamplerClient
 from shared.http_client import HttpClient, TransportError
+from shared import http_into
 from shared.http_into import get_into, request_bytes
 from shared.recv_buffers import RecvBuffers
 from tests.support.servers import refused_port
@@ -163,3 +167,61 @@ async def test_a_body_dropped_by_the_caller_is_free_at_once_without_the_cyclic_c
         assert pool.free_bytes >= len(body)
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def body_threads(monkeypatch) -> list[threading.Thread]:
+    """Every thread get_into starts to receive the rest of a body (the threshold lowered to
+    1 MiB, so that the bodies here take that path)."""
+    started: list[threading.Thread] = []
+
+    class Recorded(threading.Thread):
+        def start(self) -> None:
+            started.append(self)
+            super().start()
+
+    monkeypatch.setattr(http_into, "THREAD_BYTES", 1 << 20)
+    monkeypatch.setattr(http_into.threading, "Thread", Recorded)
+    return started
+
+
+def _head(length: int) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: x/y\r\nContent-Length: %d\r\n\r\n" % length
+
+
+async def test_the_rest_of_a_large_body_is_received_by_a_thread_in_place(raw, body_threads):
+    body = np.random.default_rng(0).integers(0, 256, 6 << 20, dtype=np.uint8).tobytes()
+    url, _ = await raw(lambda _: [_head(len(body)) + body[:1000], body[1000:3 << 20], body[3 << 20:]])
+    pool = RecvBuffers()
+    status, got, _ = await get_into(url, timeout=10, connect_timeout=5, into=pool.take)
+    assert status == 200 and bytes(got) == body and not isinstance(got, bytes)
+    assert [t.name for t in body_threads] == ["http-into-body"]
+    body_threads[0].join(5)
+    assert not body_threads[0].is_alive()
+
+
+async def test_a_short_rest_stays_on_the_event_loop(raw, body_threads):
+    body = b"s" * (1 << 20)  # the rest after the head's read is under the threshold
+    url, _ = await raw(lambda _: [_head(len(body)) + body[:10], body[10:]])
+    _, got, _ = await get_into(url, timeout=10, connect_timeout=5, into=alloc)
+    assert bytes(got) == body and body_threads == []
+
+
+async def test_a_body_cut_short_or_stalled_in_the_thread_is_a_transport_error_and_the_thread_ends(raw, body_threads):
+    http = HttpClient(max_connections=2, timeout=10)
+    length, sent = 8 << 20, 5 << 20
+    try:
+        short, _ = await raw(lambda _: [_head(length) + b"c" * 100, b"c" * (sent - 100)])
+        with pytest.raises(TransportError, match=f"closed the body after {sent} of {length} bytes"):
+            await http.request("GET", short + "/batch", into=alloc)
+        stalled, _ = await raw(lambda _: [_head(length) + b"c" * 100, b"c" * (sent - 100)] + [b""] * 200)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="^TimeoutError: no answer .* within 0.5s"):
+            await http.request("GET", stalled + "/batch", into=alloc, timeout=0.5)
+        assert time.monotonic() - started < 1.5
+    finally:
+        await http.aclose()
+    assert len(body_threads) == 2
+    for thread in body_threads:  # the stalled one is woken by the cancellation, not the server's close
+        thread.join(0.5)
+        assert not thread.is_alive()
