@@ -208,9 +208,10 @@ async def _rest_in_a_thread(transport: asyncio.Transport, exchange: _Exchange) -
     """Receive the rest of an in-place body with one blocking `recv_into(MSG_WAITALL)` on a
     thread of its own, the transport's reading paused meanwhile. The event loop otherwise
     wakes for every ~160 KB the socket holds (3,300 `recv_into` calls for 512 MiB, each an
-    epoll round and a protocol callback); one call that returns when the body is complete took
-    10-15 % less time on the 2-core machine (512 MiB over loopback: 165 against 175-210 ms)
-    and leaves the event loop free. A no-op (the loop goes on receiving) for a short rest, or
+    epoll round and a protocol callback); one call that returns when the body is complete
+    leaves the event loop free and took less time on the 2-core machine (512 MiB over bare
+    loopback sockets: median 172 against 179 ms; a 1 GiB batch from the sampler in the hand-off
+    bench: 397-401 against 434-470 ms). A no-op (the loop goes on receiving) for a short rest, or
     while the request is still being written (the socket is switched to blocking for the
     thread: the loop must not write to it meanwhile)."""
     sock = transport.get_extra_info("socket")
