@@ -4,7 +4,8 @@
 transport errors and 5xx answers with capped exponential backoff (for `retry_for` seconds,
 then `SamplerUnavailable`), and turns the statuses that need a decision into exceptions:
 409 `BatchNotReady` (post a newer version first), 410 `BatchTrimmed`, 401 `Unauthorized`,
-4xx `SamplerRequestError`. Waits speak (shared/waiting.py): a request that keeps failing logs
+4xx `SamplerRequestError`, and the one 5xx no retry can help, a damaged batch, `BatchDamaged`
+at once. Waits speak (shared/waiting.py): a request that keeps failing logs
 its first failure and then one line every `report_every` seconds; a batch wait logs one line
 per `report_every` with what the sampler's `GET /status` says the batch waits for.
 """
@@ -69,6 +70,15 @@ class Unauthorized(SamplerRequestError):
     """401: the sampler requires `Authorization: Bearer <api_token>`."""
 
 
+class BatchDamaged(SamplerRequestError):
+    """500 with reason `damaged`: the sealed batch's stored bytes were changed or lost outside
+    the sampler; no retry can help (the detail names the file and what to do)."""
+
+    def __init__(self, status: int, detail: Any, what: str):
+        super().__init__(status, detail, what)
+        self.args = (f"{what}: {detail['message']}",)
+
+
 class SamplerUnavailable(SamplerError):
     """The sampler could not be reached (or kept failing) for longer than `retry_for` seconds."""
 
@@ -79,6 +89,14 @@ def _detail(response: Reply) -> Any:
     except ValueError:
         return response.text[:500]
     return body.get("detail", body) if isinstance(body, dict) else body
+
+
+def _permanent(response: Reply) -> bool:
+    """A 5xx that says no retry can help (a damaged batch): raised at once, not retried."""
+    if response.status_code != 500:
+        return False
+    detail = _detail(response)
+    return isinstance(detail, dict) and detail.get("reason") == "damaged" and "message" in detail
 
 
 # How batches travel: "frames" (the stored chunks as they are, shared/chunks.py: received
@@ -149,7 +167,7 @@ class SamplerClient:
             except TransportError as exc:
                 failure = str(exc)
             else:
-                if response.status_code < 500:
+                if response.status_code < 500 or _permanent(response):
                     return response
                 failure = f"HTTP {response.status_code}: {_detail(response)}"
             left = retrying.deadline - time.monotonic()
@@ -365,4 +383,6 @@ class SamplerClient:
     def _raise(response: Reply, what: str) -> None:
         status, detail = response.status_code, _detail(response)
         kind = {409: BatchNotReady, 410: BatchTrimmed, 401: Unauthorized}.get(status, SamplerRequestError)
+        if _permanent(response):
+            kind = BatchDamaged
         raise kind(status, detail, what)

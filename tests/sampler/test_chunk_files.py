@@ -22,7 +22,7 @@ from services.sampler.storage.keys import Keys
 from services.sampler.storage.packing import SealedBatch, pack, pack_writing, pieces, share_range
 from services.sampler.storage.store import Store
 from shared.chunks import samples_of_chunks
-from shared.client import SamplerClient
+from shared.client import BatchDamaged, SamplerClient
 
 
 @pytest.fixture
@@ -194,6 +194,12 @@ async def test_a_damaged_chunk_file_answers_500_saying_which_and_what_to_do(make
     async with httpx.AsyncClient(timeout=30, headers=frames) as http:
         good = _damage(where / "0", "short")
         refused = await http.get(f"{b.url}/batch", params={"step": 0, "timeout": 0})
+        async with SamplerClient(b.url, poll_timeout=5, retry_for=60) as client:
+            started = time.monotonic()
+            with pytest.raises(BatchDamaged, match=r"^GET /batch step=0 rank=0/1: batch 0 is sealed but cannot be "
+                                                   r"served: chunk file .* Restore the file"):
+                await client.get_batch_arrays(0, timeout=30)
+            assert time.monotonic() - started < 5  # raised at once: no retry can help
         _undamage(where / "0", good)
         bodies = [(await http.get(f"{s.url}/batch", params={"step": 0, "timeout": 0})).content for s in (a, b)]
     assert refused.status_code == 500, refused.text
@@ -304,3 +310,32 @@ async def test_a_batch_that_fails_to_pack_leaves_no_files_and_a_root_that_cannot
     batch = await pack_writing(1, _samples(1), {}, 8 << 10, blocked)
     with pytest.raises(StoreFailed, match=r"^batch 1: .* could not be stored in .*blocked"):
         await Store(redis, Keys(namespace), files=blocked).seal(1, batch)
+
+
+def test_a_trainer_meeting_a_damaged_batch_stops_at_once_in_one_line(make_sampler, run_dir, tiny_model, tmp_path,
+                                                                     capsys):
+    from services.trainer.entrypoint import main as trainer_main
+
+    settings = {"prompts_per_step": 4, "num_generations": 4, "max_tokens": 8, "max_staleness": 0,
+                "max_poll_timeout": 5}
+    a = make_sampler(**settings)
+
+    async def sealed() -> None:
+        async with SamplerClient(a.url, poll_timeout=20) as client:
+            await client.get_batch_arrays(0, timeout=60)
+
+    asyncio.run(sealed())
+    (where,) = [w for _, _, w in ChunkFiles(run_dir / "batches").builds()]
+    b = make_sampler(**settings)  # holds nothing in memory: it reads A's files
+    _damage(where / "0", "not a chunk")
+    started = time.monotonic()
+    code = trainer_main(["--model", str(tiny_model), "--sampler-url", b.url, "--run-dir", str(tmp_path / "t"),
+                         "--per-device-batch-size", "4", "--grad-accum-steps", "4", "--no-progress",
+                         "--no-eval-at-start", "--no-eval-at-end", "--retry-for", "120"], prog="tandem trainer")
+    err = capsys.readouterr().err
+    assert code == 6, err
+    assert time.monotonic() - started < 60  # not the 120 s a retried 5xx would take
+    assert "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("tandem trainer: GET /batch step=0 rank=0/1: batch 0 is sealed but cannot be served: "
+                           f"chunk file {where / '0'} does not start as a batch chunk does"), line
