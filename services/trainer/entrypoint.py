@@ -23,7 +23,7 @@ from services.trainer.checkpoint import DiskFullError
 from services.trainer.config import TrainerSettings
 from services.trainer.mismatch import BehaviourMismatchError
 from services.trainer.preflight import check_model
-from shared.client import BatchDamaged, SamplerUnavailable
+from shared.client import BatchDamaged, SamplerError, SamplerUnavailable
 from shared.settings import SettingsError, load
 
 
@@ -32,9 +32,11 @@ from shared.settings import SettingsError, load
 #   3 the inference servers' logprobs kept disagreeing; 4 the sampler stayed unreachable (the
 #   client logged the wait every wait_log_interval); 5 a full disk (checked before each
 #   checkpoint and version is written: nothing committed was lost); 6 a batch the sampler holds
-#   damaged (its stored bytes changed outside it: no retry can help; the message names the file).
+#   damaged (its stored bytes changed outside it: no retry can help; the message names the file);
+#   7 the sampler refused what this trainer asks (a batch trimmed or superseded, a version another
+#   trainer moved past): the message says what to change. First match wins: SamplerError last.
 EXIT_STATUS = ((SettingsError, 2), (BehaviourMismatchError, 3), (SamplerUnavailable, 4), (DiskFullError, 5),
-               (BatchDamaged, 6))
+               (BatchDamaged, 6), (SamplerError, 7))
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

@@ -242,3 +242,25 @@ def test_the_trainer_with_every_inference_server_down_speaks_then_stops_in_one_l
     assert "HTTP 503" in line and dead in line, line
     waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for batch 0:")]
     assert waits and "0 of 1 inference server(s) in rotation" in waits[0] and dead in waits[0], waits
+
+
+def test_a_batch_the_sampler_will_never_serve_stops_the_trainer_in_one_line(make_sampler, tiny_model_dir: Path,
+                                                                           tmp_path: Path, capsys) -> None:
+    """Another trainer has moved the run to version 5: this fresh trainer's batch 0 was never sealed
+    and never will be (410 superseded). It stops with the sampler's words, not a traceback."""
+    sampler = make_sampler(max_poll_timeout=5)
+
+    async def moved_on() -> None:
+        async with SamplerClient(sampler.url, poll_timeout=5) as client:
+            await client.publish_weights(5)
+
+    asyncio.run(moved_on())
+    code = trainer_main(["--model", str(tiny_model_dir), "--sampler-url", sampler.url, "--run-dir",
+                         str(tmp_path / "t"), "--per-device-batch-size", "4", "--grad-accum-steps", "4",
+                         "--no-progress", "--no-eval-at-start", "--no-eval-at-end"], prog="tandem trainer")
+    err = capsys.readouterr().err
+    assert code == 7, err
+    assert "Traceback" not in err, err
+    line = _last_line(err)
+    assert line.startswith("tandem trainer: batch 0 is not available: batch 0 was never sealed and will not be: "
+                           "version 5 is published"), line
