@@ -5,7 +5,7 @@ its bytes need not sit in the page cache. A buffered write copies every byte int
 and on the 2-core machine that copy competes with packing the next chunks for the CPU: 1 GiB
 as 4 MiB files, each fsynced, by two threads, took 0.5-2.0 s of CPU buffered and 0.2-0.3 s
 with O_DIRECT. Nor is the disk slower for it: by one thread 1.08-1.23 GB/s direct against
-0.40-0.54 buffered, by two 0.86-1.08 against 0.56-1.04 (runs on the same VM minutes apart).
+0.36-0.54 buffered, by two 0.86-1.08 against 0.56-1.04 (runs on the same VM minutes apart).
 
 O_DIRECT wants the buffer's address, the length and the file offset aligned to the device's
 block. Chunks are page-aligned mappings (shared/chunks.alloc), so the aligned bulk of a chunk
