@@ -13,8 +13,8 @@ Invariants:
 * A chunk file has its final name only once its bytes are on disk: it is written as
   `<i>.part` (its aligned bulk past the page cache: durable_write.py), fsynced, renamed, and
   before `write` returns the build's directory (and the root, which holds the directory's
-  name) is fsynced. So once `write` returns, a crash of the
-  machine loses none of it, and the seal that follows (store.py) acknowledges durable bytes.
+  name) is fsynced. So once `write` returns, a crash of the machine loses none of it, and the
+  seal that follows (store.py) acknowledges durable bytes.
 * A named file never changes (a write-back after a Redis restart keeps the files it finds
   complete and only adds missing ones), so every read of a chunk returns the same bytes.
 * Every write has a bound (`timeout`): one that cannot finish in time raises `StoreFailed`
